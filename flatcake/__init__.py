@@ -1,0 +1,1 @@
+"""FlatCake: flat DRAM+SSD KV-cache storage for LLM serving."""

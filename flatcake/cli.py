@@ -1,0 +1,66 @@
+"""The ``flatcake`` command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _bench_restore(args: argparse.Namespace) -> int:
+    from flatcake.loadgen import bench_restore as br
+
+    cfg = br.QUICK if args.quick else br.BenchConfig()
+    overrides = {
+        k: getattr(args, k)
+        for k in ("sessions", "turns", "pages_per_turn", "layers", "page_bytes")
+        if getattr(args, k) is not None
+    }
+    if overrides:
+        cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, **overrides))
+    if args.workers is not None:
+        cfg = dataclasses.replace(cfg, workers=args.workers)
+    report = br.run(cfg, Path(args.dir), sweep=args.sweep, quiet=args.quiet, log=lambda m: print(m, file=sys.stderr))
+    print(br.format_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flatcake", description="Flat DRAM+SSD KV-cache storage for LLM serving")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    restore = bench.add_parser("restore", help="restore bandwidth: FlatCake vs tiered vs per-block vs fio")
+    restore.add_argument("--quick", action="store_true", help="a smaller workload that ends within a minute")
+    restore.add_argument("--sweep", choices=["gap", "context"], help="also sweep Δgap or context length")
+    restore.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    restore.add_argument("--dir", default=".flatcake-bench", help="scratch directory on the disk to measure")
+    restore.add_argument("--quiet", action="store_true", help="no progress bars")
+    for name in ("sessions", "turns", "pages-per-turn", "layers", "page-bytes", "workers"):
+        restore.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
+    restore.set_defaults(func=_bench_restore)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args))
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"flatcake: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""``flatcake bench restore``: restore bandwidth of FlatCake against the tiered and per-block designs.
+
+Workload: S sessions x T turns x B pages per turn x L layers. Turns of different sessions arrive
+interleaved, as in serving; then each session's whole history is restored cold (``O_DIRECT``, tiered
+DRAM flushed). The same run measures the device limit with fio on the same directory, so every
+ratio comes from one run on one machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+from tqdm import tqdm
+
+from flatcake.loadgen.fio import sequential_read_limit
+from flatcake.node_agent.baselines import PerBlockStore, RestoreCounters, TieredStore
+from flatcake.node_agent.buffers import aligned_empty, round_up
+from flatcake.node_agent.config import DramConfig, EngineConfig, IOConfig, SsdConfig
+from flatcake.node_agent.engine import Engine
+from flatcake.node_agent.placement import Hints, Key
+
+MiB = 1 << 20
+Array = npt.NDArray[np.uint8]
+GAPS = (0, 4096, 16384, 65536, 262144, 1 << 20)
+
+
+@dataclass(frozen=True)
+class Workload:
+    sessions: int = 16
+    turns: int = 4
+    pages_per_turn: int = 64
+    layers: int = 43
+    # DeepSeek-V4-Flash, FP8: 7.5 KiB per token per rank over 43 layers, 64-token pages (SGLang's
+    # usual HiCache page size): 11.4 KB per page-layer, padded to 12 KiB for 4 KiB alignment.
+    page_bytes: int = 12 * 1024
+    page_tokens: int = 64
+    seed: int = 0
+
+    @property
+    def turn_bytes(self) -> int:
+        return self.layers * self.pages_per_turn * self.page_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.sessions * self.turns * self.turn_bytes
+
+    def keys(self, session: int, turn: int) -> list[Key]:
+        return [f"s{session}-t{turn}-p{j}" for j in range(self.pages_per_turn)]
+
+    def history(self, session: int, turns: int | None = None) -> list[Key]:
+        return [k for t in range(self.turns if turns is None else turns) for k in self.keys(session, t)]
+
+    def arrivals(self) -> list[tuple[int, int]]:
+        """Turn t of every session, in a shuffled order, before turn t+1 of any: sessions interleave."""
+        rng = np.random.default_rng(self.seed)
+        return [(int(s), t) for t in range(self.turns) for s in rng.permutation(self.sessions)]
+
+    def stamps(self, session: int, turn: int) -> npt.NDArray[np.uint64]:
+        """A unique id per page-layer, written into its first 8 bytes so restores can be checked."""
+        base = (session * self.turns + turn) * self.pages_per_turn
+        pages = np.arange(base, base + self.pages_per_turn, dtype=np.uint64)
+        return pages[None, :] * np.uint64(self.layers) + np.arange(self.layers, dtype=np.uint64)[:, None] + 1
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    workload: Workload = field(default_factory=Workload)
+    workers: int = 2
+    gap_bytes: int = 64 * 1024
+    staging_layers: int = 2
+    staging_slot_bytes: int = 2 * MiB
+    tiered_dram_fraction: float = 0.25
+
+
+QUICK = BenchConfig(workload=Workload(sessions=4))
+
+
+class System(Protocol):
+    name: str
+
+    def put(self, workload: Workload, session: int, turn: int, kv: Array) -> None: ...
+    def prepare(self) -> None: ...
+    def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int: ...
+    def counters(self) -> RestoreCounters: ...
+    def close(self) -> None: ...
+
+
+class FlatCakeSystem:
+    name = "flatcake"
+
+    def __init__(self, directory: Path, cfg: BenchConfig, sessions: int, turns: int) -> None:
+        w = cfg.workload
+        self.engine = Engine(
+            EngineConfig(
+                layers=w.layers,
+                page_bytes=w.page_bytes,
+                page_tokens=w.page_tokens,
+                dram=DramConfig(bytes=0, huge_pages=False, name=f"flatcake-bench-{directory.name}"),
+                # One file per session scope, large enough for its whole history.
+                ssd=SsdConfig(
+                    dir=str(directory), file_bytes=round_up(turns * w.turn_bytes, MiB), file_count=sessions + 1
+                ),
+                io=IOConfig(
+                    backend="posix",
+                    workers=cfg.workers,
+                    gap_bytes=cfg.gap_bytes,
+                    staging_layers=cfg.staging_layers,
+                    staging_slot_bytes=cfg.staging_slot_bytes,
+                    streams=1,
+                ),
+            )
+        )
+        self._base = self.engine.stats.snapshot()
+        self._peak = 0
+
+    def put(self, workload: Workload, session: int, turn: int, kv: Array) -> None:
+        w = workload
+        parent = w.keys(session, turn - 1)[-1] if turn else None
+        tokens = w.pages_per_turn * w.page_tokens
+        self.engine.put(
+            w.keys(session, turn), kv, Hints(turn=turn + 1, context_tokens=(turn + 1) * tokens, parent_key=parent)
+        )
+
+    def prepare(self) -> None:
+        self._base = self.engine.stats.snapshot()
+        self._peak = 0
+
+    def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int:
+        with self.engine.get(keys, dest, dest_pages) as restore:
+            for _layer in restore:  # a consumer would run layer l here while l+1 is read
+                pass
+            self._peak = max(self._peak, restore.staging_peak_bytes)
+            return len(restore.missing)
+
+    def counters(self) -> RestoreCounters:
+        now, base = self.engine.stats.snapshot(), self._base
+        d = {k: now.get(k, 0) - base.get(k, 0) for k in now}
+        return RestoreCounters(
+            d.get("read_commands", 0),
+            d.get("read_bytes", 0),
+            d.get("requested_bytes", 0),
+            self._peak,
+            d.get("pages_missing", 0),
+        )
+
+    def segments(self) -> int:
+        return sum(s.segments for s in self.engine.table.scopes.values())
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class TieredSystem:
+    name = "tiered"
+
+    def __init__(self, directory: Path, cfg: BenchConfig, sessions: int, turns: int) -> None:
+        w = cfg.workload
+        pages = sessions * turns * w.pages_per_turn
+        bucket = 64 * MiB
+        self.store = TieredStore(
+            directory,
+            layers=w.layers,
+            page_bytes=w.page_bytes,
+            dram_pages=max(1, int(pages * cfg.tiered_dram_fraction)),
+            bucket_bytes=bucket,
+            buckets=-(-pages * w.layers * w.page_bytes // bucket) + 2,
+            workers=cfg.workers,
+        )
+
+    def put(self, workload: Workload, session: int, turn: int, kv: Array) -> None:
+        self.store.put(workload.keys(session, turn), kv)
+
+    def prepare(self) -> None:
+        self.store.flush()
+        self.store.counters = RestoreCounters()
+
+    def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int:
+        return self.store.restore(keys, dest)
+
+    def counters(self) -> RestoreCounters:
+        return self.store.counters
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class PerBlockSystem:
+    name = "per_block"
+
+    def __init__(self, directory: Path, cfg: BenchConfig, sessions: int, turns: int) -> None:
+        w = cfg.workload
+        self.store = PerBlockStore(directory, layers=w.layers, page_bytes=w.page_bytes, workers=cfg.workers)
+
+    def put(self, workload: Workload, session: int, turn: int, kv: Array) -> None:
+        self.store.put(workload.keys(session, turn), kv)
+
+    def prepare(self) -> None:
+        self.store.counters = RestoreCounters()
+
+    def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int:
+        return self.store.restore(keys, dest)
+
+    def counters(self) -> RestoreCounters:
+        return self.store.counters
+
+    def close(self) -> None:
+        self.store.close()
+
+
+SYSTEMS: dict[str, Callable[[Path, BenchConfig, int, int], System]] = {
+    "flatcake": FlatCakeSystem,
+    "tiered": TieredSystem,
+    "per_block": PerBlockSystem,
+}
+
+
+def _bar(desc: str, total: int, quiet: bool) -> tqdm[Any]:
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, disable=quiet, leave=False)
+
+
+def _turn_buffers(w: Workload) -> Iterator[tuple[int, int, Array]]:
+    rng = np.random.default_rng(w.seed)
+    base = rng.integers(0, 256, size=(w.layers, w.pages_per_turn, w.page_bytes), dtype=np.uint8)
+    kv = aligned_empty(base.shape)
+    for session, turn in w.arrivals():
+        kv[...] = base
+        kv[:, :, :8] = w.stamps(session, turn).view(np.uint8).reshape(w.layers, w.pages_per_turn, 8)
+        yield session, turn, kv
+
+
+def _check(w: Workload, session: int, turns: int, dest: Array) -> None:
+    got = np.ascontiguousarray(dest[:, : turns * w.pages_per_turn, :8]).view(np.uint64)[..., 0]
+    want = np.concatenate([w.stamps(session, t) for t in range(turns)], axis=1)
+    if not np.array_equal(got, want):
+        raise AssertionError(f"session {session}: restored bytes differ from written bytes")
+
+
+def write_all(system: System, w: Workload, quiet: bool) -> None:
+    with _bar(f"{system.name}: write", w.sessions * w.turns, quiet) as bar:
+        for session, turn, kv in _turn_buffers(w):
+            system.put(w, session, turn, kv)
+            bar.update()
+    system.prepare()
+
+
+def restore_all(system: System, w: Workload, dest: Array, quiet: bool, turns: int | None = None) -> dict[str, Any]:
+    turns = w.turns if turns is None else turns
+    missing = 0
+    seconds = 0.0
+    with _bar(f"{system.name}: restore", w.sessions, quiet) as bar:
+        for session in range(w.sessions):
+            keys = w.history(session, turns)
+            t0 = time.perf_counter()
+            missing += system.restore(keys, dest)
+            seconds += time.perf_counter() - t0
+            _check(w, session, turns, dest)
+            bar.update()
+    c = system.counters()
+    return {
+        "read_bytes_per_s": c.bytes_requested / seconds if seconds else 0.0,
+        "read_commands": c.read_commands,
+        "bytes_read": c.bytes_read,
+        "bytes_requested": c.bytes_requested,
+        "staging_peak_bytes": c.staging_peak_bytes,
+        "restore_seconds": seconds,
+        "pages_missing": missing,
+    }
+
+
+def run(
+    cfg: BenchConfig,
+    directory: Path,
+    *,
+    sweep: str | None = None,
+    quiet: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    w = cfg.workload
+    directory.mkdir(parents=True, exist_ok=True)
+    log(
+        f"workload: {w.sessions} sessions x {w.turns} turns x {w.pages_per_turn} pages x {w.layers} layers x "
+        f"{w.page_bytes} B = {w.total_bytes / MiB:.0f} MiB per system, in {directory}"
+    )
+    log(f"fio: sequential O_DIRECT read, 1 MiB blocks, {cfg.workers} jobs ...")
+    # fio reads as many bytes as each system restores, once.
+    limit = sequential_read_limit(directory, cfg.workers, max(w.total_bytes, cfg.workers * 16 * MiB))
+    dest = aligned_empty((w.layers, w.turns * w.pages_per_turn, w.page_bytes))
+    results: dict[str, dict[str, Any]] = {}
+    extra: dict[str, Any] = {}
+    for name, make in SYSTEMS.items():
+        where = directory / name
+        shutil.rmtree(where, ignore_errors=True)
+        system = make(where, cfg, w.sessions, w.turns)
+        try:
+            write_all(system, w, quiet)
+            results[name] = restore_all(system, w, dest, quiet)
+            if isinstance(system, FlatCakeSystem):
+                extra["segments"] = system.segments()
+                if sweep == "gap":
+                    extra["gap_sweep"] = gap_sweep(system, w, dest, quiet)
+        finally:
+            system.close()
+            shutil.rmtree(where, ignore_errors=True)
+        log(
+            f"{name}: {results[name]['read_bytes_per_s'] / 1e9:.3f} GB/s, "
+            f"{results[name]['read_commands']} read commands"
+        )
+    report: dict[str, Any] = {
+        "config": {**dataclasses.asdict(cfg), "directory": str(directory)},
+        "limit": limit,
+        "systems": results,
+        "ratios": ratios(results, limit, extra["segments"], w.layers),
+    }
+    if "gap_sweep" in extra:
+        report["gap_sweep"] = extra["gap_sweep"]
+    if sweep == "context":
+        report["context_sweep"] = context_sweep(cfg, directory, quiet)
+    return report
+
+
+def ratios(results: dict[str, dict[str, Any]], limit: dict[str, Any], segments: int, layers: int) -> dict[str, float]:
+    fc = results["flatcake"]
+    return {
+        "flatcake_vs_limit": fc["read_bytes_per_s"] / limit["read_bytes_per_s"],
+        "flatcake_vs_tiered": fc["read_bytes_per_s"] / results["tiered"]["read_bytes_per_s"],
+        "flatcake_vs_per_block": fc["read_bytes_per_s"] / results["per_block"]["read_bytes_per_s"],
+        "commands_per_segment_layer": fc["read_commands"] / (segments * layers),
+        "read_amplification": fc["bytes_read"] / fc["bytes_requested"],
+    }
+
+
+def gap_sweep(system: FlatCakeSystem, w: Workload, dest: Array, quiet: bool) -> list[dict[str, Any]]:
+    """Partial restores (a quarter of the pages already present, so holes of one page or more) at each
+    Δgap: commands saved against bytes read for nothing."""
+    rng = np.random.default_rng(w.seed + 1)
+    wanted = [[k for k in w.history(s) if rng.random() >= 0.25] for s in range(w.sessions)]
+    rows = []
+    for gap in GAPS:
+        system.engine.gap_bytes = gap
+        system.prepare()
+        t0 = time.perf_counter()
+        missing = sum(system.restore(keys, dest) for keys in wanted)
+        seconds = time.perf_counter() - t0
+        c = system.counters()
+        rows.append(
+            {
+                "gap_bytes": gap,
+                "read_commands": c.read_commands,
+                "bytes_read": c.bytes_read,
+                "bytes_requested": c.bytes_requested,
+                "read_amplification": c.bytes_read / c.bytes_requested,
+                "read_bytes_per_s": c.bytes_requested / seconds,
+                "restore_seconds": seconds,
+                "pages_missing": missing,
+            }
+        )
+    system.engine.gap_bytes = system.engine.config.io.gap_bytes
+    return rows
+
+
+def context_sweep(cfg: BenchConfig, directory: Path, quiet: bool) -> list[dict[str, Any]]:
+    """One long session restored at growing context: FlatCake's window is bounded, tiered staging is not."""
+    w = dataclasses.replace(cfg.workload, sessions=1, turns=16)
+    dest = aligned_empty((w.layers, w.turns * w.pages_per_turn, w.page_bytes))
+    points = [t for t in (1, 2, 4, 8, 16) if t <= w.turns]
+    rows: dict[int, dict[str, Any]] = {
+        t: {"turns": t, "context_tokens": t * w.pages_per_turn * w.page_tokens, "context_bytes": t * w.turn_bytes}
+        for t in points
+    }
+    for name in ("flatcake", "tiered"):
+        where = directory / f"context-{name}"
+        shutil.rmtree(where, ignore_errors=True)
+        system = SYSTEMS[name](where, cfg, 1, w.turns)
+        try:
+            write_all(system, w, quiet)
+            for t in points:
+                system.prepare()
+                restore_all(system, w, dest, True, turns=t)
+                rows[t][f"{name}_staging_peak_bytes"] = system.counters().staging_peak_bytes
+        finally:
+            system.close()
+            shutil.rmtree(where, ignore_errors=True)
+    return list(rows.values())
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lim = report["limit"]["read_bytes_per_s"]
+    lines = [
+        f"{'system':<10} {'GB/s':>7} {'x limit':>8} {'commands':>9} {'bytes read':>12} "
+        f"{'requested':>12} {'staging peak':>13} {'seconds':>8}",
+        f"{'fio limit':<10} {lim / 1e9:>7.3f} {1.0:>8.2f}",
+    ]
+    for name, s in report["systems"].items():
+        lines.append(
+            f"{name:<10} {s['read_bytes_per_s'] / 1e9:>7.3f} {s['read_bytes_per_s'] / lim:>8.2f} "
+            f"{s['read_commands']:>9} {s['bytes_read']:>12} {s['bytes_requested']:>12} "
+            f"{s['staging_peak_bytes']:>13} {s['restore_seconds']:>8.2f}"
+        )
+    lines.append("")
+    lines.extend(f"{k:<28} {v:.3f}" for k, v in report["ratios"].items())
+    if "gap_sweep" in report:
+        lines += ["", f"{'Δgap':>8} {'commands':>9} {'read amp':>9} {'GB/s':>7}"]
+        lines += [
+            f"{r['gap_bytes']:>8} {r['read_commands']:>9} {r['read_amplification']:>9.3f} "
+            f"{r['read_bytes_per_s'] / 1e9:>7.3f}"
+            for r in report["gap_sweep"]
+        ]
+    if "context_sweep" in report:
+        lines += ["", f"{'turns':>5} {'context MiB':>12} {'flatcake staging':>17} {'tiered staging':>15}"]
+        lines += [
+            f"{r['turns']:>5} {r['context_bytes'] / MiB:>12.0f} {r['flatcake_staging_peak_bytes']:>17} "
+            f"{r['tiered_staging_peak_bytes']:>15}"
+            for r in report["context_sweep"]
+        ]
+    return "\n".join(lines)

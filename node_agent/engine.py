@@ -1,0 +1,283 @@
+"""The FlatCake storage engine: ``put`` / ``exists`` / ``get`` over DRAM and SSD as peer media.
+
+Write path (FC-GVA): placement picks the medium once; space is reserved (GVAs allocated), bytes are
+written, and only then are the keys published. Read path (FC-CIO): keys resolve to locations, SSD
+page-layers are sorted and merged into few large reads, streamed layer by layer through a bounded
+window and scattered into the caller's (non-contiguous) page slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from flatcake.node_agent import gva as G
+from flatcake.node_agent.buffers import ALIGN, aligned_empty, is_aligned
+from flatcake.node_agent.coalesce import Extent, plan_layers
+from flatcake.node_agent.config import EngineConfig
+from flatcake.node_agent.dram_pool import DramPool, PoolFullError
+from flatcake.node_agent.file_pool import create_pool
+from flatcake.node_agent.gva import Medium
+from flatcake.node_agent.io_backends import IOBackend, select_backend
+from flatcake.node_agent.placement import Hints, Key, PlacementCounts, decide
+from flatcake.node_agent.restore import Restore, WindowPool, numpy_scatter
+from flatcake.node_agent.scopes import Location, Reservation, ScopeTable
+from flatcake.node_agent.stats import Stats
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "Hints", "PoolFullError", "PutResult", "StorageWriteError", "UnknownKeyError"]
+
+
+class UnknownKeyError(KeyError):
+    """A key asked of ``get`` is not stored (never was, or its scope was reclaimed)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class StorageWriteError(OSError):
+    """Writing a put's bytes failed; nothing of that put was published and its space was freed."""
+
+
+@dataclass(frozen=True)
+class PutResult:
+    stored: int  # pages written now
+    skipped: int  # pages already stored (or being stored by another writer)
+    medium: Medium | None
+    reason: str
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, io: IOBackend | None = None) -> None:
+        self.config = config
+        self.stats = Stats()
+        self.placements = PlacementCounts()
+        c = config
+        self.pool = create_pool(c.ssd.dir, c.ssd.file_count, c.ssd.file_bytes, extent_policy=c.ssd.extent_policy)
+        paths = [str(Path(c.ssd.dir) / name) for name in self.pool.files]
+        if io is None:
+            io, why = select_backend(paths, c.io.workers, c.io.backend)
+            log.info("I/O backend %s: %s", io.name, why)
+        self.io = io
+        self.dram = DramPool(
+            c.layers * c.page_bytes,
+            c.dram_slots,
+            name=c.dram.name,
+            want_huge_pages=c.dram.huge_pages,
+            shm_dir=c.dram.shm_dir,
+            hugetlbfs_dir=c.dram.hugetlbfs_dir,
+        )
+        if c.dram.huge_pages and not self.dram.info.huge_pages:
+            self.stats.add("dram_hugepage_fallback")
+        self.dram.register_with_cuda()
+        # The pool as [slot][layer][page_bytes]: a DRAM page keeps its layers back to back.
+        self._dram3 = self.dram.view[: c.dram_slots * c.layers * c.page_bytes].reshape(
+            c.dram_slots, c.layers, c.page_bytes
+        )
+        self.table = ScopeTable(
+            node_id=c.node_id,
+            layers=c.layers,
+            page_bytes=c.page_bytes,
+            file_bytes=c.ssd.file_bytes,
+            files=c.ssd.file_count,
+            dram_slots=c.dram_slots,
+            high_watermark=c.ssd.high_watermark,
+            low_watermark=c.ssd.low_watermark,
+        )
+        self.gap_bytes = c.io.gap_bytes  # Δgap; tunable while running
+        self.windows = WindowPool(c.io.streams, c.io.staging_layers, c.io.staging_slot_bytes, self.stats)
+
+    # ---- write path ------------------------------------------------------------------------------
+    def put(self, keys: Sequence[Key], kv: npt.NDArray[np.uint8], hints: Hints | None = None) -> PutResult:
+        """Store pages ``keys`` from ``kv`` shaped ``[layers][len(keys)][page_bytes]`` (uint8, C order,
+        4 KiB aligned). Pages already stored are skipped; the rest are placed, written, then published."""
+        hints = hints or Hints()
+        self._check_keys(keys, "keys")
+        self._check_kv(kv, len(keys))
+        new = self.table.new_keys(keys)
+        if not new:
+            return PutResult(0, len(keys), None, "all stored")
+        lo, hi = new[0], new[-1] + 1
+        if hi - lo == len(new):
+            pages = kv[:, lo:hi]
+        else:  # holes among the new pages: gather them into one aligned, layer-major buffer
+            pages = aligned_empty((self.config.layers, len(new), self.config.page_bytes))
+            pages[...] = kv[:, new]
+        parent = keys[lo - 1] if lo > 0 else hints.parent_key
+        new_keys = [keys[i] for i in new]
+        res = self.table.reserve(new_keys, parent, decide(hints, self.config.placement))
+        try:
+            self._write(res, pages)
+        except OSError as exc:
+            self.table.abort(res)
+            self.stats.add("write_errors")
+            raise StorageWriteError(
+                exc.errno, f"put of {len(new_keys)} pages failed, nothing published: {exc}"
+            ) from exc
+        except BaseException:
+            self.table.abort(res)
+            raise
+        self.table.publish(res)
+        self.placements.add(res.decision, len(new_keys))
+        self.stats.add("put_pages", len(new_keys))
+        self.stats.add("write_bytes_logical", pages.nbytes)
+        return PutResult(len(new_keys), len(keys) - len(new_keys), res.scope.medium, res.decision.reason.value)
+
+    def _write(self, res: Reservation, pages: npt.NDArray[np.uint8]) -> None:
+        if res.slots:
+            self._dram3[res.slots] = pages.transpose(1, 0, 2)
+            self.stats.add("write_bytes_dram", pages.nbytes)
+            return
+        futures: list[Future[int]] = []
+        for i, seg in enumerate(res.segments):
+            bufs = [pages[layer, seg.first_page : seg.first_page + seg.pages] for layer in range(pages.shape[0])]
+            futures.append(self.io.submit_write(i, seg.file, seg.offset, bufs))
+        errors = [f.exception() for f in futures]
+        for err in errors:
+            if err is not None:
+                raise err
+        written = sum(f.result() for f in futures)
+        self.stats.add("write_bytes_ssd", written)
+        self.stats.add("write_commands", len(futures))
+
+    # ---- read path -------------------------------------------------------------------------------
+    def exists(self, keys: Sequence[Key]) -> int:
+        """Length of the stored prefix of ``keys`` (lock-free)."""
+        return self.table.hit_prefix(keys)
+
+    def locate(self, keys: Sequence[Key]) -> list[Location | None]:
+        return [self.table.lookup(k) for k in keys]
+
+    def get(self, keys: Sequence[Key], dest: npt.NDArray[np.uint8], dest_pages: Sequence[int] | None = None) -> Restore:
+        """Restore ``keys`` into ``dest[layer, dest_pages[i]]``; iterate the result for layers in order.
+
+        ``dest`` is ``[layers][slots][page_bytes]`` uint8; ``dest_pages`` (default ``0..n-1``) names the
+        destination page of each key. Unknown keys are refused before any I/O (ask ``exists`` first);
+        pages that fail to read are reported in ``Restore.missing``.
+        """
+        c = self.config
+        self._check_keys(keys, "keys")
+        pages = self._check_dest(dest, len(keys), dest_pages)
+        locs: list[Location] = []
+        for i, key in enumerate(keys):
+            loc = self.table.lookup(key)
+            if loc is None:
+                raise UnknownKeyError(
+                    f"keys[{i}]: {key!r} is not stored; restore only the hit prefix that "
+                    "exists() reports and recompute the rest"
+                )
+            locs.append(loc)
+        vanished = self.table.pin(keys, locs)
+        if vanished:
+            i = vanished[0]
+            raise UnknownKeyError(f"keys[{i}]: {keys[i]!r} was reclaimed while resolving; recompute it")
+        scopes = {loc.scope for loc in locs}
+        per_layer: list[list[Extent]] = [[] for _ in range(c.layers)]
+        dram_src: list[int] = []
+        dram_dst: list[int] = []
+        for i, loc in enumerate(locs):
+            medium, _, offset = G.decode(loc.gva)
+            if medium is Medium.DRAM:
+                dram_src.append(offset // (c.layers * c.page_bytes))
+                dram_dst.append(pages[i])
+                continue
+            file, at = divmod(offset, c.ssd.file_bytes)
+            for layer in range(c.layers):
+                per_layer[layer].append(Extent(file, at + layer * loc.layer_stride, c.page_bytes, i))
+        fills = plan_layers(per_layer, self.gap_bytes, c.io.staging_slot_bytes)
+
+        def copy_dram(layer: int) -> None:
+            if dram_src:
+                dest[layer, dram_dst] = self._dram3[dram_src, layer]
+
+        self.stats.add("restores")
+        self.stats.add("restore_pages_dram", len(dram_src))
+        self.stats.add("restore_pages_ssd", len(locs) - len(dram_src))
+        return Restore(
+            layers=c.layers,
+            fills=fills,
+            dest_pages=pages,
+            io=self.io,
+            windows=self.windows,
+            scatter=numpy_scatter(dest, c.page_bytes),
+            copy_dram=copy_dram,
+            stats=self.stats,
+            on_close=lambda: self.table.unpin(scopes),
+        )
+
+    # ---- checks ----------------------------------------------------------------------------------
+    def _check_keys(self, keys: Sequence[Key], field: str) -> None:
+        if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+            raise TypeError(f"{field}: expected a sequence of page keys, got {type(keys).__name__}")
+        for i, key in enumerate(keys):
+            if not isinstance(key, str | bytes | int) or isinstance(key, bool):
+                raise TypeError(f"{field}[{i}]: {key!r} is not a page key (str, bytes or int)")
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"{field}: contains duplicate keys; each page key may appear once")
+
+    def _check_kv(self, kv: npt.NDArray[np.uint8], n: int) -> None:
+        c = self.config
+        want = (c.layers, n, c.page_bytes)
+        if not isinstance(kv, np.ndarray):
+            raise TypeError(f"kv: expected a numpy array shaped {want}, got {type(kv).__name__}")
+        if kv.dtype != np.uint8:
+            raise TypeError(f"kv.dtype: {kv.dtype} is not uint8; pass kv.view(np.uint8) with page_bytes counting bytes")
+        if kv.shape != want:
+            raise ValueError(f"kv.shape: {kv.shape} != (layers, len(keys), page_bytes) = {want}")
+        if not kv.flags.c_contiguous:
+            raise ValueError("kv: not C-contiguous; pass np.ascontiguousarray(kv)")
+        if not is_aligned(kv):
+            raise ValueError(
+                f"kv: buffer address {kv.ctypes.data:#x} is not {ALIGN}-byte aligned (O_DIRECT); "
+                "allocate it with flatcake.node_agent.buffers.aligned_empty"
+            )
+
+    def _check_dest(self, dest: npt.NDArray[np.uint8], n: int, dest_pages: Sequence[int] | None) -> list[int]:
+        c = self.config
+        if not isinstance(dest, np.ndarray):
+            raise TypeError(f"dest: expected a numpy array [layers][slots][page_bytes], got {type(dest).__name__}")
+        if dest.dtype != np.uint8:
+            raise TypeError(f"dest.dtype: {dest.dtype} is not uint8; pass dest.view(np.uint8)")
+        if dest.ndim != 3 or dest.shape[0] != c.layers or dest.shape[2] != c.page_bytes:
+            raise ValueError(f"dest.shape: {dest.shape} is not (layers={c.layers}, slots, page_bytes={c.page_bytes})")
+        if not dest.flags.writeable or not dest.flags.c_contiguous:
+            raise ValueError("dest: must be writeable and C-contiguous")
+        pages = list(range(n)) if dest_pages is None else [int(p) for p in dest_pages]
+        if len(pages) != n:
+            raise ValueError(f"dest_pages: {len(pages)} entries for {n} keys; give one destination page per key")
+        bad = [p for p in pages if not 0 <= p < dest.shape[1]]
+        if bad:
+            raise ValueError(f"dest_pages: {bad[:3]} outside 0..{dest.shape[1] - 1} (dest.shape[1])")
+        return pages
+
+    # ---- state -----------------------------------------------------------------------------------
+    def usage(self) -> dict[str, dict[str, int]]:
+        t = self.table
+        return {
+            m.name.lower(): {
+                "used_bytes": t.used(m) * t.unit_bytes(m),
+                "capacity_bytes": t.capacity(m) * t.unit_bytes(m),
+                "scopes": sum(1 for s in t.scopes.values() if s.medium is m),
+                "reclaimed_scopes": t.reclaimed[m].scopes,
+                "reclaimed_bytes": t.reclaimed[m].bytes,
+            }
+            for m in Medium
+        }
+
+    def close(self) -> None:
+        self.io.close()
+        del self._dram3
+        self.dram.close(unlink=True)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,86 @@
+"""The GPU side of the data path (cupy, kvikio), imported lazily: CPU code never loads CUDA.
+
+kvikio imports on machines without a driver but fails on its first I/O (``libcuda.so.1`` missing),
+so usability is decided by asking the CUDA runtime for a device, never by a successful import.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+@functools.cache
+def _probe() -> tuple[bool, str]:
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CUDA library that fails to load
+        return False, f"cupy not importable: {exc.__class__.__name__}"
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:
+        return False, f"no CUDA device: {exc.__class__.__name__}: {exc}"
+    return (count > 0), f"{count} CUDA device(s)"
+
+
+def available() -> bool:
+    return _probe()[0]
+
+
+def why() -> str:
+    return _probe()[1]
+
+
+def kvikio_usable() -> tuple[bool, str]:
+    if not available():
+        return False, why()
+    try:
+        import kvikio  # noqa: F401
+    except Exception as exc:
+        return False, f"kvikio not importable: {exc.__class__.__name__}"
+    return True, "kvikio with a CUDA device"
+
+
+def host_register(view: Any) -> None:
+    """cudaHostRegister the whole host region once, so H2D copies from it are DMA, not staged."""
+    import cupy
+
+    cupy.cuda.runtime.hostRegister(view.ctypes.data, view.nbytes, 0)
+
+
+_SCATTER_SRC = r"""
+extern "C" __global__
+void scatter_pages(const unsigned char* src, unsigned char* dst,
+                   const long long* src_off, const long long* dst_off, const long long* length, int n) {
+    // One block per piece; threads stride over its bytes in 16-byte words where aligned.
+    int i = blockIdx.x;
+    if (i >= n) return;
+    const unsigned char* s = src + src_off[i];
+    unsigned char* d = dst + dst_off[i];
+    long long len = length[i];
+    if ((((unsigned long long)s | (unsigned long long)d | len) & 15) == 0) {
+        const uint4* s4 = (const uint4*)s; uint4* d4 = (uint4*)d;
+        for (long long k = threadIdx.x; k < len / 16; k += blockDim.x) d4[k] = s4[k];
+    } else {
+        for (long long k = threadIdx.x; k < len; k += blockDim.x) d[k] = s[k];
+    }
+}
+"""
+
+
+@functools.cache
+def _scatter_kernel() -> Any:
+    import cupy
+
+    return cupy.RawKernel(_SCATTER_SRC, "scatter_pages")
+
+
+def scatter(src: Any, dst: Any, src_off: list[int], dst_off: list[int], length: list[int]) -> None:
+    """Copy pieces of the staging slot ``src`` into the paged KV buffer ``dst`` on the GPU."""
+    import cupy
+
+    n = len(src_off)
+    if n == 0:
+        return
+    args = [cupy.asarray(a, dtype=cupy.int64) for a in (src_off, dst_off, length)]
+    _scatter_kernel()((n,), (256,), (src, dst, *args, cupy.int32(n)))
