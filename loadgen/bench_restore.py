@@ -9,6 +9,7 @@ ratio comes from one run on one machine.
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import sys
 import time
@@ -21,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
-from flatcake.loadgen.fio import sequential_read_limit
+from flatcake.loadgen.fio import SequentialReadLimit
 from flatcake.node_agent.baselines import PerBlockStore, RestoreCounters, TieredStore
 from flatcake.node_agent.buffers import aligned_empty, round_up
 from flatcake.node_agent.config import DramConfig, EngineConfig, IOConfig, SsdConfig
@@ -31,6 +32,7 @@ from flatcake.node_agent.placement import Hints, Key
 MiB = 1 << 20
 Array = npt.NDArray[np.uint8]
 GAPS = (0, 4096, 16384, 65536, 262144, 1 << 20)
+CONTEXT_TURNS = (1, 2, 4, 8, 16, 32)
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class BenchConfig:
     workers: int = 2
     gap_bytes: int = 64 * 1024
     staging_layers: int = 2
-    staging_slot_bytes: int = 2 * MiB
+    staging_slot_bytes: int = 8 * MiB
     tiered_dram_fraction: float = 0.25
 
 
@@ -105,9 +107,12 @@ class FlatCakeSystem:
                 page_bytes=w.page_bytes,
                 page_tokens=w.page_tokens,
                 dram=DramConfig(bytes=0, huge_pages=False, name=f"flatcake-bench-{directory.name}"),
-                # One file per session scope, large enough for its whole history.
+                # One file per session scope, large enough for its whole history; room under the high
+                # watermark (0.9) for every session, so nothing is reclaimed during the benchmark.
                 ssd=SsdConfig(
-                    dir=str(directory), file_bytes=round_up(turns * w.turn_bytes, MiB), file_count=sessions + 1
+                    dir=str(directory),
+                    file_bytes=round_up(turns * w.turn_bytes, MiB),
+                    file_count=math.ceil(sessions / 0.85) + 1,
                 ),
                 io=IOConfig(
                     backend="posix",
@@ -244,15 +249,27 @@ def _check(w: Workload, session: int, turns: int, dest: Array) -> None:
         raise AssertionError(f"session {session}: restored bytes differ from written bytes")
 
 
-def write_all(system: System, w: Workload, quiet: bool) -> None:
+def write_all(system: System, w: Workload, quiet: bool, after_put: Callable[[int], object] | None = None) -> None:
+    """Write every turn in arrival order; ``after_put(i)`` runs after the i-th arrival."""
     with _bar(f"{system.name}: write", w.sessions * w.turns, quiet) as bar:
-        for session, turn, kv in _turn_buffers(w):
+        for i, (session, turn, kv) in enumerate(_turn_buffers(w)):
             system.put(w, session, turn, kv)
+            if after_put is not None:
+                after_put(i)
             bar.update()
     system.prepare()
 
 
-def restore_all(system: System, w: Workload, dest: Array, quiet: bool, turns: int | None = None) -> dict[str, Any]:
+def restore_all(
+    system: System,
+    w: Workload,
+    dest: Array,
+    quiet: bool,
+    turns: int | None = None,
+    between: Callable[[int], object] | None = None,
+) -> dict[str, Any]:
+    """Restore every session's history (its first ``turns`` turns), timed; ``between(session)`` runs
+    untimed after each session."""
     turns = w.turns if turns is None else turns
     missing = 0
     seconds = 0.0
@@ -263,6 +280,8 @@ def restore_all(system: System, w: Workload, dest: Array, quiet: bool, turns: in
             missing += system.restore(keys, dest)
             seconds += time.perf_counter() - t0
             _check(w, session, turns, dest)
+            if between is not None:
+                between(session)
             bar.update()
     c = system.counters()
     return {
@@ -290,30 +309,50 @@ def run(
         f"workload: {w.sessions} sessions x {w.turns} turns x {w.pages_per_turn} pages x {w.layers} layers x "
         f"{w.page_bytes} B = {w.total_bytes / MiB:.0f} MiB per system, in {directory}"
     )
-    log(f"fio: sequential O_DIRECT read, 1 MiB blocks, {cfg.workers} jobs ...")
-    # fio reads as many bytes as each system restores, once.
-    limit = sequential_read_limit(directory, cfg.workers, max(w.total_bytes, cfg.workers * 16 * MiB))
+    # fio writes and reads as many bytes as FlatCake, interleaved with it: a chunk laid out after each
+    # turn FlatCake writes, and read after each session it restores (see SequentialReadLimit).
+    chunks = w.sessions * w.turns
+    fio = SequentialReadLimit(directory, cfg.workers, max(w.total_bytes, cfg.workers * chunks * MiB), chunks)
+    by_session: dict[int, list[int]] = {}
+    for i, (session, _) in enumerate(w.arrivals()):
+        by_session.setdefault(session, []).append(i)
+
+    def read_chunks(session: int) -> None:  # the chunks laid out beside this session's turns
+        for chunk in by_session[session]:
+            fio.measure(chunk)
+
     dest = aligned_empty((w.layers, w.turns * w.pages_per_turn, w.page_bytes))
     results: dict[str, dict[str, Any]] = {}
     extra: dict[str, Any] = {}
-    for name, make in SYSTEMS.items():
-        where = directory / name
-        shutil.rmtree(where, ignore_errors=True)
-        system = make(where, cfg, w.sessions, w.turns)
-        try:
-            write_all(system, w, quiet)
-            results[name] = restore_all(system, w, dest, quiet)
-            if isinstance(system, FlatCakeSystem):
-                extra["segments"] = system.segments()
-                if sweep == "gap":
-                    extra["gap_sweep"] = gap_sweep(system, w, dest, quiet)
-        finally:
-            system.close()
+    limit: dict[str, Any] = {}
+    try:
+        for name, make in SYSTEMS.items():
+            where = directory / name
             shutil.rmtree(where, ignore_errors=True)
-        log(
-            f"{name}: {results[name]['read_bytes_per_s'] / 1e9:.3f} GB/s, "
-            f"{results[name]['read_commands']} read commands"
-        )
+            system = make(where, cfg, w.sessions, w.turns)
+            try:
+                after_put = between = None
+                if isinstance(system, FlatCakeSystem):
+                    log(f"fio: sequential O_DIRECT read, 1 MiB blocks, {cfg.workers} jobs, interleaved")
+                    after_put = fio.prepare
+                    between = read_chunks
+
+                write_all(system, w, quiet, after_put)
+                results[name] = restore_all(system, w, dest, quiet, between=between)
+                if isinstance(system, FlatCakeSystem):
+                    limit = fio.result()
+                    extra["segments"] = system.segments()
+                    if sweep == "gap":
+                        extra["gap_sweep"] = gap_sweep(system, w, dest, quiet)
+            finally:
+                system.close()
+                shutil.rmtree(where, ignore_errors=True)
+            log(
+                f"{name}: {results[name]['read_bytes_per_s'] / 1e9:.3f} GB/s, "
+                f"{results[name]['read_commands']} read commands"
+            )
+    finally:
+        fio.close()
     report: dict[str, Any] = {
         "config": {**dataclasses.asdict(cfg), "directory": str(directory)},
         "limit": limit,
@@ -369,9 +408,9 @@ def gap_sweep(system: FlatCakeSystem, w: Workload, dest: Array, quiet: bool) -> 
 
 def context_sweep(cfg: BenchConfig, directory: Path, quiet: bool) -> list[dict[str, Any]]:
     """One long session restored at growing context: FlatCake's window is bounded, tiered staging is not."""
-    w = dataclasses.replace(cfg.workload, sessions=1, turns=16)
+    w = dataclasses.replace(cfg.workload, sessions=1, turns=CONTEXT_TURNS[-1])
     dest = aligned_empty((w.layers, w.turns * w.pages_per_turn, w.page_bytes))
-    points = [t for t in (1, 2, 4, 8, 16) if t <= w.turns]
+    points = list(CONTEXT_TURNS)
     rows: dict[int, dict[str, Any]] = {
         t: {"turns": t, "context_tokens": t * w.pages_per_turn * w.page_tokens, "context_bytes": t * w.turn_bytes}
         for t in points

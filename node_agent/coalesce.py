@@ -4,128 +4,184 @@ A restore asks for many ``(file, offset, length)`` ranges, one per page and laye
 ``(file, offset)``, adjacent ranges merge into one command and holes smaller than ``gap`` are bridged
 (a little extra sequential read costs less than a second command). Commands are then packed into
 staging slots so a bounded window can stream them.
+
+Descriptors are numpy arrays, not objects: a long-context restore has ``layers x pages`` of them
+(43 x 3,400 in the paper's agentic trace) and per-object Python work would cost more than the I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 
-@dataclass(frozen=True, slots=True)
-class Extent:
-    """A requested byte range; ``tag`` tells the caller where its bytes go."""
-
-    file: int
-    offset: int
-    length: int
-    tag: int
+Ints = npt.NDArray[np.int64]
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """Where a requested extent sits inside a command's bytes."""
+@dataclass(frozen=True)
+class Commands:
+    """Merged reads (struct of arrays). Command ``c`` covers pieces ``piece_ptr[c]:piece_ptr[c+1]``.
 
-    tag: int
-    start: int  # byte offset inside the command
-    length: int
+    ``piece_index`` is each piece's position in the request (its destination), ``piece_start`` its
+    byte offset inside its command; pieces keep their request order's sort by ``(file, offset)``.
+    """
+
+    file: Ints
+    offset: Ints
+    length: Ints
+    piece_ptr: Ints
+    piece_index: Ints
+    piece_start: Ints
+    piece_length: Ints
+
+    def __len__(self) -> int:
+        return len(self.file)
+
+    def requested(self, lo: int = 0, hi: int | None = None) -> int:
+        hi = len(self) if hi is None else hi
+        return int(self.piece_length[self.piece_ptr[lo] : self.piece_ptr[hi]].sum())
+
+    def pieces(self, c: int) -> list[tuple[int, int, int]]:
+        """``(index, start, length)`` of command ``c``'s pieces (for tests and debugging)."""
+        sl = slice(self.piece_ptr[c], self.piece_ptr[c + 1])
+        return list(
+            zip(
+                self.piece_index[sl].tolist(),
+                self.piece_start[sl].tolist(),
+                self.piece_length[sl].tolist(),
+                strict=True,
+            )
+        )
 
 
-@dataclass(frozen=True, slots=True)
-class Command:
-    """One read: a contiguous range of one file, covering one or more requested extents."""
-
-    file: int
-    offset: int
-    length: int
-    pieces: tuple[Piece, ...]
-
-    @property
-    def requested(self) -> int:
-        return sum(p.length for p in self.pieces)
+def _ints(values: Sequence[int] | Ints) -> Ints:
+    return np.asarray(values, dtype=np.int64)
 
 
-def coalesce(extents: Iterable[Extent], gap: int, max_bytes: int) -> list[Command]:
-    """Merge extents into commands.
+def sort_order(file: Sequence[int] | Ints, offset: Sequence[int] | Ints) -> Ints:
+    """The ``(file, offset)`` order of descriptors."""
+    return np.lexsort((_ints(offset), _ints(file))).astype(np.int64)
 
-    Adjacent or overlapping extents always merge; a hole is bridged only when it is smaller than
-    ``gap`` (so ``gap=0`` merges exact neighbours only). No command grows past ``max_bytes``; an
-    extent longer than that is an error, since it could not be staged.
+
+def coalesce(
+    file: Sequence[int] | Ints,
+    offset: Sequence[int] | Ints,
+    length: Sequence[int] | Ints,
+    gap: int,
+    max_bytes: int,
+    order: Ints | None = None,
+) -> Commands:
+    """Merge descriptors into commands.
+
+    Adjacent or overlapping ranges always merge; a hole is bridged only when it is smaller than ``gap``
+    (so ``gap=0`` merges exact neighbours only). No command grows past ``max_bytes``; a descriptor
+    longer than that is an error, since it could not be staged. ``order`` may pass a precomputed
+    ``sort_order`` (a restore reuses one order for every layer: layers shift offsets within segments).
     """
     if gap < 0:
         raise ValueError(f"gap: {gap} must be >= 0")
     if max_bytes <= 0:
         raise ValueError(f"max_bytes: {max_bytes} must be > 0")
-    ordered = sorted(extents, key=lambda e: (e.file, e.offset))
-    commands: list[Command] = []
-    if not ordered:
-        return commands
-    start_ext = ordered[0]
-    _check(start_ext, max_bytes)
-    file, start, end = start_ext.file, start_ext.offset, start_ext.offset + start_ext.length
-    members: list[Extent] = [start_ext]
-    for ext in ordered[1:]:
-        _check(ext, max_bytes)
-        hole = ext.offset - end
-        new_end = max(end, ext.offset + ext.length)
-        if ext.file == file and (hole <= 0 or hole < gap) and new_end - start <= max_bytes:
-            end = new_end
-            members.append(ext)
+    f_in, o_in, n_in = _ints(file), _ints(offset), _ints(length)
+    if not len(f_in) == len(o_in) == len(n_in):
+        raise ValueError("file, offset and length must have the same number of descriptors")
+    if len(n_in) and (n_in.min() <= 0 or o_in.min() < 0):
+        raise ValueError("descriptors need offset >= 0 and length > 0")
+    if len(n_in) and n_in.max() > max_bytes:
+        raise ValueError(f"a descriptor of {n_in.max()} bytes exceeds the staging slot of {max_bytes} bytes")
+    idx = sort_order(f_in, o_in) if order is None else order
+    f, o, n = f_in[idx], o_in[idx], n_in[idx]
+    end = o + n
+    if len(idx) == 0:
+        empty = np.zeros(0, np.int64)
+        return Commands(empty, empty, empty, np.zeros(1, np.int64), empty, empty, empty)
+    # Running end of what is merged so far, in one coordinate across files (offsets fit 48 bits, as in
+    # a GVA), so the end of one file never reaches into the next.
+    base = f << np.int64(48)
+    run_end = np.maximum.accumulate(base + end)
+    hole = (base + o)[1:] - run_end[:-1]
+    split = (f[1:] != f[:-1]) | ((hole > 0) & (hole >= gap))
+    starts = np.flatnonzero(np.concatenate(([True], split)))
+    starts = _cap(starts, o, end, max_bytes)
+    bounds = np.append(starts, len(idx))
+    group_end = np.maximum.reduceat(end, starts)
+    cmd_offset = o[starts]
+    owner = np.repeat(np.arange(len(starts)), np.diff(bounds))
+    return Commands(
+        file=f[starts],
+        offset=cmd_offset,
+        length=group_end - cmd_offset,
+        piece_ptr=bounds.astype(np.int64),
+        piece_index=idx,
+        piece_start=o - cmd_offset[owner],
+        piece_length=n,
+    )
+
+
+def _cap(starts: Ints, o: Ints, end: Ints, max_bytes: int) -> Ints:
+    """Split any group whose span exceeds ``max_bytes``, greedily in order (rare: only long runs)."""
+    bounds = np.append(starts, len(o))
+    spans = np.maximum.reduceat(end, starts) - o[starts]
+    if not (spans > max_bytes).any():
+        return starts
+    out: list[int] = []
+    for s, e, span in zip(bounds[:-1].tolist(), bounds[1:].tolist(), spans.tolist(), strict=True):
+        out.append(s)
+        if span <= max_bytes:
             continue
-        commands.append(_command(file, start, end, members))
-        file, start, end = ext.file, ext.offset, ext.offset + ext.length
-        members = [ext]
-    commands.append(_command(file, start, end, members))
-    return commands
+        begin, far = o[s], end[s]
+        for i in range(s + 1, e):
+            far_i = max(far, int(end[i]))
+            if far_i - begin > max_bytes:
+                out.append(i)
+                begin, far = o[i], end[i]
+            else:
+                far = far_i
+    return np.asarray(out, dtype=np.int64)
 
 
-def _check(ext: Extent, max_bytes: int) -> None:
-    if ext.length <= 0 or ext.offset < 0:
-        raise ValueError(f"extent {ext}: offset must be >= 0 and length > 0")
-    if ext.length > max_bytes:
-        raise ValueError(f"extent {ext}: length {ext.length} exceeds the staging slot of {max_bytes} bytes")
-
-
-def _command(file: int, start: int, end: int, members: list[Extent]) -> Command:
-    return Command(file, start, end - start, tuple(Piece(e.tag, e.offset - start, e.length) for e in members))
-
-
-def pack(commands: Sequence[Command], slot_bytes: int) -> list[list[Command]]:
-    """Group commands, in order, into fills that each fit one staging slot."""
-    fills: list[list[Command]] = []
-    current: list[Command] = []
-    used = 0
-    for cmd in commands:
-        if cmd.length > slot_bytes:
-            raise ValueError(f"command of {cmd.length} bytes exceeds the staging slot of {slot_bytes} bytes")
-        if current and used + cmd.length > slot_bytes:
-            fills.append(current)
-            current, used = [], 0
-        current.append(cmd)
-        used += cmd.length
-    if current:
-        fills.append(current)
+def pack(lengths: Ints, slot_bytes: int) -> list[tuple[int, int]]:
+    """Group commands, in order, into fills ``[lo, hi)`` that each fit one staging slot."""
+    fills: list[tuple[int, int]] = []
+    lo, used = 0, 0
+    for i, n in enumerate(lengths.tolist()):
+        if n > slot_bytes:
+            raise ValueError(f"command of {n} bytes exceeds the staging slot of {slot_bytes} bytes")
+        if i > lo and used + n > slot_bytes:
+            fills.append((lo, i))
+            lo, used = i, 0
+        used += n
+    if lo < len(lengths):
+        fills.append((lo, len(lengths)))
     return fills
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Fill:
-    """The commands that fill one staging slot, all for one layer."""
+    """Commands ``lo:hi`` of one layer's plan: what fills one staging slot."""
 
     layer: int
-    commands: tuple[Command, ...]
-    last_of_layer: bool
+    commands: Commands
+    lo: int
+    hi: int
 
     @property
     def nbytes(self) -> int:
-        return sum(c.length for c in self.commands)
+        return int(self.commands.length[self.lo : self.hi].sum())
 
 
-def plan_layers(per_layer_extents: Sequence[Sequence[Extent]], gap: int, slot_bytes: int) -> list[Fill]:
-    """The whole restore in layer order: each layer's extents merged, then packed into slot fills."""
+def plan_restore(
+    file: Ints, base: Ints, stride: Ints, layers: int, page_bytes: int, gap: int, slot_bytes: int
+) -> list[Fill]:
+    """The whole restore in layer order. Page ``i`` of layer ``l`` is at ``base[i] + l * stride[i]`` of
+    ``file[i]``. Pages of one segment keep their order in every layer and segments never interleave,
+    so one sort serves all layers."""
+    order = sort_order(file, base)
+    length = np.full(len(file), page_bytes, dtype=np.int64)
     fills: list[Fill] = []
-    for layer, extents in enumerate(per_layer_extents):
-        groups = pack(coalesce(extents, gap, slot_bytes), slot_bytes)
-        for i, group in enumerate(groups):
-            fills.append(Fill(layer, tuple(group), i == len(groups) - 1))
+    for layer in range(layers):
+        cmds = coalesce(file, base + layer * stride, length, gap, slot_bytes, order)
+        fills.extend(Fill(layer, cmds, lo, hi) for lo, hi in pack(cmds.length, slot_bytes))
     return fills

@@ -43,7 +43,7 @@ class IOConfig:
     workers: int = 2
     gap_bytes: int = 64 * 1024  # Δgap: holes smaller than this are read through
     staging_layers: int = 2  # slots per restore stream: double buffering
-    staging_slot_bytes: int = 2 * MiB
+    staging_slot_bytes: int = 8 * MiB
     streams: int = 4  # concurrent restores; more wait for a window
 
 

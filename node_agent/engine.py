@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from flatcake.node_agent import gva as G
 from flatcake.node_agent.buffers import ALIGN, aligned_empty, is_aligned
-from flatcake.node_agent.coalesce import Extent, plan_layers
+from flatcake.node_agent.coalesce import plan_restore
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.dram_pool import DramPool, PoolFullError
 from flatcake.node_agent.file_pool import create_pool
@@ -179,22 +179,21 @@ class Engine:
             i = vanished[0]
             raise UnknownKeyError(f"keys[{i}]: {keys[i]!r} was reclaimed while resolving; recompute it")
         scopes = {loc.scope for loc in locs}
-        per_layer: list[list[Extent]] = [[] for _ in range(c.layers)]
-        dram_src: list[int] = []
-        dram_dst: list[int] = []
-        for i, loc in enumerate(locs):
-            medium, _, offset = G.decode(loc.gva)
-            if medium is Medium.DRAM:
-                dram_src.append(offset // (c.layers * c.page_bytes))
-                dram_dst.append(pages[i])
-                continue
-            file, at = divmod(offset, c.ssd.file_bytes)
-            for layer in range(c.layers):
-                per_layer[layer].append(Extent(file, at + layer * loc.layer_stride, c.page_bytes, i))
-        fills = plan_layers(per_layer, self.gap_bytes, c.io.staging_slot_bytes)
+        gvas = np.fromiter((loc.gva for loc in locs), dtype=np.uint64, count=len(locs))
+        strides = np.fromiter((loc.layer_stride for loc in locs), dtype=np.int64, count=len(locs))
+        on_ssd = gvas >= np.uint64(G.SSD_THRESHOLD)  # the medium is the top field: one compare
+        offsets = (gvas & np.uint64(G.MAX_OFFSET)).astype(np.int64)
+        dst = np.asarray(pages, dtype=np.int64)
+        ssd = np.flatnonzero(on_ssd)
+        file, base = np.divmod(offsets[ssd], c.ssd.file_bytes)
+        fills = plan_restore(file, base, strides[ssd], c.layers, c.page_bytes, self.gap_bytes, c.io.staging_slot_bytes)
+        # Plans index pages of the SSD subset; map them back to destination pages.
+        ssd_dest = dst[ssd]
+        dram_src = offsets[~on_ssd] // (c.layers * c.page_bytes)
+        dram_dst = dst[~on_ssd]
 
         def copy_dram(layer: int) -> None:
-            if dram_src:
+            if len(dram_src):
                 dest[layer, dram_dst] = self._dram3[dram_src, layer]
 
         self.stats.add("restores")
@@ -203,7 +202,8 @@ class Engine:
         return Restore(
             layers=c.layers,
             fills=fills,
-            dest_pages=pages,
+            dest_pages=ssd_dest,
+            request_index=ssd,
             io=self.io,
             windows=self.windows,
             scatter=numpy_scatter(dest, c.page_bytes),

@@ -75,8 +75,8 @@ def _scatter_kernel() -> Any:
     return cupy.RawKernel(_SCATTER_SRC, "scatter_pages")
 
 
-def scatter(src: Any, dst: Any, src_off: list[int], dst_off: list[int], length: list[int]) -> None:
-    """Copy pieces of the staging slot ``src`` into the paged KV buffer ``dst`` on the GPU."""
+def scatter(src: Any, dst: Any, src_off: Any, dst_off: Any, length: Any) -> None:
+    """Copy byte runs of the staging slot ``src`` into the paged KV buffer ``dst`` on the GPU."""
     import cupy
 
     n = len(src_off)

@@ -19,14 +19,14 @@ import numpy as np
 import numpy.typing as npt
 
 from flatcake.node_agent.buffers import aligned_empty
-from flatcake.node_agent.coalesce import Command, Fill
+from flatcake.node_agent.coalesce import Fill
 from flatcake.node_agent.io_backends import IOBackend
 from flatcake.node_agent.stats import Stats
 
-# A run of pieces that is contiguous both in the slot and in the destination: (slot byte offset,
-# first destination page, page count).
-Run = tuple[int, int, int]
-Scatter = Callable[[int, Any, list[Run]], None]
+# scatter(layer, slot, src, dst, count): run r copies count[r] pages from byte src[r] of the slot to
+# destination pages dst[r]..dst[r]+count[r]-1 of that layer.
+Ints = npt.NDArray[np.int64]
+Scatter = Callable[[int, Any, Ints, Ints, Ints], None]
 
 
 class Window:
@@ -75,7 +75,8 @@ class Restore(Iterator[int]):
         *,
         layers: int,
         fills: list[Fill],
-        dest_pages: list[int],
+        dest_pages: Ints,
+        request_index: Ints,
         io: IOBackend,
         windows: WindowPool,
         scatter: Scatter,
@@ -86,6 +87,7 @@ class Restore(Iterator[int]):
         self.missing: set[int] = set()
         self.staging_peak_bytes = 0
         self._layers, self._fills, self._dest_pages = layers, fills, dest_pages
+        self._request_index = request_index  # plan index -> position in the caller's key list
         self._io, self._windows, self._scatter, self._copy_dram = io, windows, scatter, copy_dram
         self._stats, self._on_close = stats, on_close
         self._finished = False
@@ -134,10 +136,16 @@ class Restore(Iterator[int]):
                 while queue and free:
                     fill, slot = queue.popleft(), free.popleft()
                     buf, futures, at = window.slots[slot], [], 0  # type: ignore[union-attr]
-                    for cmd in fill.commands:
-                        futures.append(self._io.submit_read(rr, cmd.file, cmd.offset, buf[at : at + cmd.length]))
+                    cmds = fill.commands
+                    for file, offset, n in zip(
+                        cmds.file[fill.lo : fill.hi].tolist(),
+                        cmds.offset[fill.lo : fill.hi].tolist(),
+                        cmds.length[fill.lo : fill.hi].tolist(),
+                        strict=True,
+                    ):
+                        futures.append(self._io.submit_read(rr, file, offset, buf[at : at + n]))
                         rr += 1
-                        at += cmd.length
+                        at += n
                     inflight.append((fill, slot, futures))
                     staged += fill.nbytes
                     self.staging_peak_bytes = max(self.staging_peak_bytes, staged)
@@ -161,50 +169,49 @@ class Restore(Iterator[int]):
             self._finish()
 
     def _complete(self, fill: Fill, buf: Any, futures: list[Future[int]]) -> None:
-        runs: list[Run] = []
-        at = 0
-        for cmd, fut in zip(fill.commands, futures, strict=True):
+        cmds, lo, hi = fill.commands, fill.lo, fill.hi
+        p0, p1 = int(cmds.piece_ptr[lo]), int(cmds.piece_ptr[hi])
+        lengths = cmds.length[lo:hi]
+        slot_at = np.concatenate(([0], np.cumsum(lengths)[:-1]))  # where each command lands in the slot
+        owner = np.repeat(np.arange(hi - lo), np.diff(cmds.piece_ptr[lo : hi + 1]))
+        start, plen = cmds.piece_start[p0:p1], cmds.piece_length[p0:p1]
+        got = np.empty(hi - lo, dtype=np.int64)
+        for k, fut in enumerate(futures):
             try:
-                got = fut.result()
+                got[k] = fut.result()
             except OSError as exc:
-                got = -1
+                got[k] = -1
                 self._stats.add(f"io_errors_{errno.errorcode.get(exc.errno or 0, 'other').lower()}")
-            if 0 <= got < cmd.length:
-                self._stats.add("io_errors_short_read")
-            self._stats.add("read_commands")
-            self._stats.add("read_bytes", max(got, 0))
-            self._stats.add("requested_bytes", cmd.requested)
-            self._stats.add("descriptors", len(cmd.pieces))
-            runs.extend(self._runs(cmd, at, got))
-            at += cmd.length
-        if runs:
-            self._scatter(fill.layer, buf, runs)
-
-    def _runs(self, cmd: Command, at: int, got: int) -> list[Run]:
-        runs: list[Run] = []
-        dest = self._dest_pages
-        for p in cmd.pieces:
-            if p.start + p.length > got:  # not (fully) read: the caller recomputes this page
-                if p.tag not in self.missing:
-                    self.missing.add(p.tag)
-                    self._stats.add("pages_missing")
-                continue
-            src, page = at + p.start, dest[p.tag]
-            if runs:
-                s, d, n = runs[-1]
-                if s + n * p.length == src and d + n == page:
-                    runs[-1] = (s, d, n + 1)
-                    continue
-            runs.append((src, page, 1))
-        return runs
+        short = int(((got >= 0) & (got < lengths)).sum())
+        if short:
+            self._stats.add("io_errors_short_read", short)
+        self._stats.add("read_commands", hi - lo)
+        self._stats.add("read_bytes", int(np.maximum(got, 0).sum()))
+        self._stats.add("requested_bytes", int(plen.sum()))
+        self._stats.add("descriptors", p1 - p0)
+        ok = start + plen <= got[owner]  # a piece not fully read is left for the caller to recompute
+        index = cmds.piece_index[p0:p1]
+        if not ok.all():
+            lost = set(self._request_index[index[~ok]].tolist()) - self.missing
+            self.missing.update(lost)
+            self._stats.add("pages_missing", len(lost))
+        src = (slot_at[owner] + start)[ok]
+        dst = self._dest_pages[index[ok]]
+        if len(src):
+            page = int(plen[0])
+            # Runs contiguous in both the slot and the destination become one copy each.
+            brk = np.flatnonzero((np.diff(src) != page) | (np.diff(dst) != 1)) + 1
+            first = np.concatenate(([0], brk))
+            count = np.diff(np.append(first, len(src)))
+            self._scatter(fill.layer, buf, src[first], dst[first], count)
 
 
 def numpy_scatter(dest: npt.NDArray[np.uint8], page_bytes: int) -> Scatter:
     """Scatter on the CPU: each run is one contiguous copy into ``dest[layer, first:first+n]``."""
 
-    def scatter(layer: int, buf: Any, runs: list[Run]) -> None:
-        for src, first, n in runs:
-            dest[layer, first : first + n] = buf[src : src + n * page_bytes].reshape(n, page_bytes)
+    def scatter(layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
+        for s, d, n in zip(src.tolist(), dst.tolist(), count.tolist(), strict=True):
+            dest[layer, d : d + n] = buf[s : s + n * page_bytes].reshape(n, page_bytes)
 
     return scatter
 
@@ -215,10 +222,7 @@ def cupy_scatter(dest: Any, page_bytes: int) -> Scatter:
 
     layer_bytes = dest.shape[1] * page_bytes
 
-    def scatter(layer: int, buf: Any, runs: list[Run]) -> None:
-        src_off = [s for s, _, _ in runs]
-        dst_off = [layer * layer_bytes + d * page_bytes for _, d, _ in runs]
-        length = [n * page_bytes for _, _, n in runs]
-        gpu.scatter(buf, dest.reshape(-1), src_off, dst_off, length)
+    def scatter(layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
+        gpu.scatter(buf, dest.reshape(-1), src, layer * layer_bytes + dst * page_bytes, count * page_bytes)
 
     return scatter

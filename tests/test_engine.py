@@ -217,7 +217,7 @@ def test_window_bounds_staging_and_early_close_releases_pins(make_engine: Make) 
 
 
 def test_concurrent_writers_and_readers(make_engine: Make) -> None:
-    e = make_engine(files=16, file_bytes=16 * 4 * 4096, dram_bytes=8 * 4 * 4096)
+    e = make_engine(files=16, file_bytes=16 * 4 * 4096, dram_bytes=64 * 4 * 4096)  # room for all: no reclaim
     errors: list[BaseException] = []
 
     def worker(w: int) -> None:
