@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from flatcake.node_agent import gpu
 from flatcake.node_agent import gva as G
 from flatcake.node_agent.buffers import ALIGN, aligned_empty, is_aligned
 from flatcake.node_agent.coalesce import plan_restore
@@ -26,7 +27,7 @@ from flatcake.node_agent.file_pool import create_pool
 from flatcake.node_agent.gva import Medium
 from flatcake.node_agent.io_backends import IOBackend, select_backend
 from flatcake.node_agent.placement import Hints, Key, PlacementCounts, decide
-from flatcake.node_agent.restore import Restore, WindowPool, numpy_scatter
+from flatcake.node_agent.restore import Restore, WindowPool, cupy_scatter, numpy_scatter
 from flatcake.node_agent.scopes import Location, Reservation, ScopeTable
 from flatcake.node_agent.stats import Stats
 
@@ -92,7 +93,10 @@ class Engine:
             low_watermark=c.ssd.low_watermark,
         )
         self.gap_bytes = c.io.gap_bytes  # Δgap; tunable while running
-        self.windows = WindowPool(c.io.streams, c.io.staging_layers, c.io.staging_slot_bytes, self.stats)
+        # With kvikio, reads land in device memory: the window lives on the GPU and dest is a cupy array.
+        self.on_gpu = self.io.name == "kvikio"
+        alloc = gpu.device_empty if self.on_gpu else aligned_empty
+        self.windows = WindowPool(c.io.streams, c.io.staging_layers, c.io.staging_slot_bytes, self.stats, alloc)
 
     # ---- write path ------------------------------------------------------------------------------
     def put(self, keys: Sequence[Key], kv: npt.NDArray[np.uint8], hints: Hints | None = None) -> PutResult:
@@ -193,8 +197,10 @@ class Engine:
         dram_dst = dst[~on_ssd]
 
         def copy_dram(layer: int) -> None:
-            if len(dram_src):
-                dest[layer, dram_dst] = self._dram3[dram_src, layer]
+            if len(dram_src):  # host to host, or one H2D copy from the pinned pool on the GPU path
+                dest[layer, dram_dst] = (
+                    gpu.to_device(self._dram3[dram_src, layer]) if self.on_gpu else (self._dram3[dram_src, layer])
+                )
 
         self.stats.add("restores")
         self.stats.add("restore_pages_dram", len(dram_src))
@@ -206,7 +212,7 @@ class Engine:
             request_index=ssd,
             io=self.io,
             windows=self.windows,
-            scatter=numpy_scatter(dest, c.page_bytes),
+            scatter=(cupy_scatter if self.on_gpu else numpy_scatter)(dest, c.page_bytes),
             copy_dram=copy_dram,
             stats=self.stats,
             on_close=lambda: self.table.unpin(scopes),
@@ -241,13 +247,14 @@ class Engine:
 
     def _check_dest(self, dest: npt.NDArray[np.uint8], n: int, dest_pages: Sequence[int] | None) -> list[int]:
         c = self.config
-        if not isinstance(dest, np.ndarray):
-            raise TypeError(f"dest: expected a numpy array [layers][slots][page_bytes], got {type(dest).__name__}")
+        kind = "cupy" if self.on_gpu else "numpy"
+        if (gpu.is_device_array(dest) if self.on_gpu else isinstance(dest, np.ndarray)) is False:
+            raise TypeError(f"dest: expected a {kind} array [layers][slots][page_bytes], got {type(dest).__name__}")
         if dest.dtype != np.uint8:
             raise TypeError(f"dest.dtype: {dest.dtype} is not uint8; pass dest.view(np.uint8)")
         if dest.ndim != 3 or dest.shape[0] != c.layers or dest.shape[2] != c.page_bytes:
             raise ValueError(f"dest.shape: {dest.shape} is not (layers={c.layers}, slots, page_bytes={c.page_bytes})")
-        if not dest.flags.writeable or not dest.flags.c_contiguous:
+        if not getattr(dest.flags, "writeable", True) or not dest.flags.c_contiguous:
             raise ValueError("dest: must be writeable and C-contiguous")
         pages = list(range(n)) if dest_pages is None else [int(p) for p in dest_pages]
         if len(pages) != n:

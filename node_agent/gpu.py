@@ -48,6 +48,23 @@ def host_register(view: Any) -> None:
     cupy.cuda.runtime.hostRegister(view.ctypes.data, view.nbytes, 0)
 
 
+def device_empty(nbytes: int) -> Any:
+    """Device memory for a staging slot (cudaMalloc through cupy's allocator)."""
+    import cupy
+
+    return cupy.empty(nbytes, dtype=cupy.uint8)
+
+
+def is_device_array(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def to_device(host: Any) -> Any:
+    import cupy
+
+    return cupy.asarray(host)
+
+
 _SCATTER_SRC = r"""
 extern "C" __global__
 void scatter_pages(const unsigned char* src, unsigned char* dst,

@@ -39,8 +39,8 @@ def small_config(tmp: Path, **kw: Any) -> EngineConfig:
 def make_engine(tmp_path: Path) -> Iterator[Callable[..., Engine]]:
     made: list[Engine] = []
 
-    def make(io: IOBackend | None = None, sub: str = "", **kw: Any) -> Engine:
-        engine = Engine(small_config(tmp_path / sub if sub else tmp_path, **kw), io=io)
+    def make(backend: IOBackend | None = None, sub: str = "", **kw: Any) -> Engine:
+        engine = Engine(small_config(tmp_path / sub if sub else tmp_path, **kw), io=backend)
         made.append(engine)
         return engine
 

@@ -240,3 +240,27 @@ def test_concurrent_writers_and_readers(make_engine: Make) -> None:
         t.join()
     assert not errors, errors
     assert e.stats.get("put_pages") == 6 * 16
+
+
+def test_a_restore_waits_for_a_window_instead_of_dropping(make_engine: Make) -> None:
+    e = make_engine(io={"streams": 1})
+    kv = pages(4, 4, 4096)
+    e.put(list("abcd"), kv)
+    first = e.get(list("ab"), np.zeros((4, 2, 4096), np.uint8))
+    assert next(first) == 0  # holds the only window
+    done: list[np.ndarray] = []
+
+    def second() -> None:
+        dest, missing = restore(e, list("cd"))
+        assert not missing
+        done.append(dest)
+
+    t = threading.Thread(target=second)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not done  # waiting, not failing
+    assert first.run() == set()
+    first.close()
+    t.join(5)
+    assert done and np.array_equal(done[0], kv[:, 2:])
+    assert e.stats.get("staging_waits") == 1
