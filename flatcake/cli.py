@@ -33,6 +33,14 @@ def _bench_restore(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent_serve(args: argparse.Namespace) -> int:
+    from flatcake.node_agent import agent
+    from flatcake.node_agent.config import EngineConfig
+
+    agent.run(EngineConfig.load(args.config))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flatcake", description="Flat DRAM+SSD KV-cache storage for LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -47,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("sessions", "turns", "pages-per-turn", "layers", "page-bytes", "workers"):
         restore.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
     restore.set_defaults(func=_bench_restore)
+
+    agent = sub.add_parser("agent", help="the node agent").add_subparsers(dest="agent", required=True)
+    serve = agent.add_parser("serve", help="serve the storage engine's catalog to this node's clients")
+    serve.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")
+    serve.set_defaults(func=_agent_serve)
     return parser
 
 

@@ -48,6 +48,16 @@ class IOConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    socket: str = "/run/flatcake/agent.sock"  # control socket, mode 0660
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9470  # /metrics, /healthz, /readyz
+    journal_fsync: str = "interval"  # always | interval | never (see node_agent/journal.py)
+    journal_fsync_ms: int = 100
+    verify_on_recovery: bool = True  # re-read every journaled page and check its crc32 at start-up
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     layers: int = 43
     page_bytes: int = 12 * 1024  # one page (of page_tokens tokens) of one layer, per rank
@@ -57,6 +67,7 @@ class EngineConfig:
     ssd: SsdConfig = field(default_factory=SsdConfig)
     io: IOConfig = field(default_factory=IOConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
         _positive(self, "layers", "page_tokens")
@@ -90,6 +101,11 @@ class EngineConfig:
                 f"io.staging_slot_bytes: {self.io.staging_slot_bytes} must be a multiple of "
                 f"{ALIGN} and at least page_bytes ({self.page_bytes})"
             )
+        if self.agent.journal_fsync not in ("always", "interval", "never"):
+            raise ValueError(f"agent.journal_fsync: {self.agent.journal_fsync!r} must be always, interval or never")
+        if not 0 <= self.agent.metrics_port <= 65535:
+            raise ValueError(f"agent.metrics_port: {self.agent.metrics_port} is not a TCP port (0 picks a free one)")
+        _positive(self.agent, "journal_fsync_ms", prefix="agent.")
         if self.io.backend not in ("auto", "posix", "kvikio"):
             raise ValueError(f"io.backend: {self.io.backend!r} must be 'auto', 'posix' or 'kvikio'")
 

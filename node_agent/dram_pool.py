@@ -88,6 +88,17 @@ class SlotAllocator:
                 self._used[s] = 1
             return out
 
+    def take(self, slots: list[int]) -> None:
+        """Mark specific slots used (recovery); refuses slots already in use."""
+        with self._lock:
+            busy = [s for s in slots if not 0 <= s < self.slots or self._used[s]]
+            if busy:
+                raise ValueError(f"slots {busy[:5]} are out of range or already allocated")
+            for s in slots:
+                self._used[s] = 1
+            wanted = set(slots)
+            self._free = [s for s in self._free if s not in wanted]
+
     def release(self, slots: list[int]) -> None:
         with self._lock:
             for s in slots:
@@ -117,13 +128,17 @@ class DramPool:
         want_huge_pages: bool = True,
         shm_dir: str = "/dev/shm",
         hugetlbfs_dir: str | None = None,
+        attach_path: str | None = None,
     ) -> None:
         if slot_bytes <= 0 or slots < 0:
             raise ValueError(f"dram pool: slot_bytes={slot_bytes}, slots={slots} must be positive")
         self.slot_bytes = slot_bytes
         self.allocator = SlotAllocator(slots)
         nbytes = max(slot_bytes * slots, mmap.PAGESIZE)
-        self._mmap, self.info = _map_shared(nbytes, name, want_huge_pages, shm_dir, hugetlbfs_dir)
+        if attach_path is not None:  # a client maps the agent's pool as it is
+            self._mmap, self.info = _attach(attach_path, nbytes)
+        else:
+            self._mmap, self.info = _map_shared(nbytes, name, want_huge_pages, shm_dir, hugetlbfs_dir)
         self.view: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8)
         self._registered = False
 
@@ -166,6 +181,18 @@ def _map_shared(
         log.warning("DRAM pool falls back to normal pages: %s", reason)
     path = Path(shm_dir) / name
     return _map_file(path, nbytes), DramPoolInfo(str(path), nbytes, False, reason)
+
+
+def _attach(path: str, nbytes: int) -> tuple[mmap.mmap, DramPoolInfo]:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise ValueError(f"dram pool {path}: {size} bytes, smaller than the {nbytes} the geometry needs")
+        huge = any(str(path).startswith(str(m)) for m in hugetlbfs_mounts())
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), DramPoolInfo(path, size, huge, "")
+    finally:
+        os.close(fd)
 
 
 def _map_file(path: Path, nbytes: int) -> mmap.mmap:

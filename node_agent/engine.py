@@ -20,27 +20,21 @@ import numpy.typing as npt
 from flatcake.node_agent import gpu
 from flatcake.node_agent import gva as G
 from flatcake.node_agent.buffers import ALIGN, aligned_empty, is_aligned
+from flatcake.node_agent.catalog import Allocation, Catalog, LocalCatalog, UnknownKeyError, page_checksum
 from flatcake.node_agent.coalesce import plan_restore
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.dram_pool import DramPool, PoolFullError
-from flatcake.node_agent.file_pool import create_pool
+from flatcake.node_agent.file_pool import PoolManifest, create_pool
 from flatcake.node_agent.gva import Medium
 from flatcake.node_agent.io_backends import IOBackend, select_backend
-from flatcake.node_agent.placement import Hints, Key, PlacementCounts, decide
+from flatcake.node_agent.placement import Hints, Key
 from flatcake.node_agent.restore import Restore, WindowPool, cupy_scatter, numpy_scatter
-from flatcake.node_agent.scopes import Location, Reservation, ScopeTable
+from flatcake.node_agent.scopes import ScopeTable
 from flatcake.node_agent.stats import Stats
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "Hints", "PoolFullError", "PutResult", "StorageWriteError", "UnknownKeyError"]
-
-
-class UnknownKeyError(KeyError):
-    """A key asked of ``get`` is not stored (never was, or its scope was reclaimed)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 class StorageWriteError(OSError):
@@ -55,13 +49,43 @@ class PutResult:
     reason: str
 
 
+def local_table(c: EngineConfig) -> ScopeTable:
+    return ScopeTable(
+        node_id=c.node_id,
+        layers=c.layers,
+        page_bytes=c.page_bytes,
+        file_bytes=c.ssd.file_bytes,
+        files=c.ssd.file_count,
+        dram_slots=c.dram_slots,
+        high_watermark=c.ssd.high_watermark,
+        low_watermark=c.ssd.low_watermark,
+    )
+
+
 class Engine:
-    def __init__(self, config: EngineConfig, *, io: IOBackend | None = None) -> None:
-        self.config = config
+    """The data path over a catalog.
+
+    Alone (``catalog=None``) it creates the pools and keeps its own ``LocalCatalog``. As a client of a
+    node agent (``client.connect``) it attaches to the agent's pools (``dram_path``: the agent's pool
+    file) and asks the agent's catalog over the socket; bytes never pass through the agent.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        io: IOBackend | None = None,
+        catalog: Catalog | None = None,
+        dram_path: str | None = None,
+    ) -> None:
+        self.config = c = config
         self.stats = Stats()
-        self.placements = PlacementCounts()
-        c = config
-        self.pool = create_pool(c.ssd.dir, c.ssd.file_count, c.ssd.file_bytes, extent_policy=c.ssd.extent_policy)
+        if catalog is None:
+            self.pool = create_pool(c.ssd.dir, c.ssd.file_count, c.ssd.file_bytes, extent_policy=c.ssd.extent_policy)
+        else:
+            self.pool = PoolManifest.load(Path(c.ssd.dir))
+            if (self.pool.count, self.pool.file_bytes) != (c.ssd.file_count, c.ssd.file_bytes):
+                raise ValueError(f"{c.ssd.dir}: pool manifest does not match the agent's configuration")
         paths = [str(Path(c.ssd.dir) / name) for name in self.pool.files]
         if io is None:
             io, why = select_backend(paths, c.io.workers, c.io.backend)
@@ -74,7 +98,9 @@ class Engine:
             want_huge_pages=c.dram.huge_pages,
             shm_dir=c.dram.shm_dir,
             hugetlbfs_dir=c.dram.hugetlbfs_dir,
+            attach_path=dram_path,
         )
+        self._owns_dram = dram_path is None
         if c.dram.huge_pages and not self.dram.info.huge_pages:
             self.stats.add("dram_hugepage_fallback")
         self.dram.register_with_cuda()
@@ -82,65 +108,59 @@ class Engine:
         self._dram3 = self.dram.view[: c.dram_slots * c.layers * c.page_bytes].reshape(
             c.dram_slots, c.layers, c.page_bytes
         )
-        self.table = ScopeTable(
-            node_id=c.node_id,
-            layers=c.layers,
-            page_bytes=c.page_bytes,
-            file_bytes=c.ssd.file_bytes,
-            files=c.ssd.file_count,
-            dram_slots=c.dram_slots,
-            high_watermark=c.ssd.high_watermark,
-            low_watermark=c.ssd.low_watermark,
-        )
+        self.catalog: Catalog = catalog if catalog is not None else LocalCatalog(local_table(c), c.placement)
         self.gap_bytes = c.io.gap_bytes  # Δgap; tunable while running
         # With kvikio, reads land in device memory: the window lives on the GPU and dest is a cupy array.
         self.on_gpu = self.io.name == "kvikio"
         alloc = gpu.device_empty if self.on_gpu else aligned_empty
         self.windows = WindowPool(c.io.streams, c.io.staging_layers, c.io.staging_slot_bytes, self.stats, alloc)
 
+    @property
+    def table(self) -> ScopeTable:
+        """The scope table of an engine with its own catalog."""
+        if not isinstance(self.catalog, LocalCatalog):
+            raise AttributeError("table: this engine uses a remote catalog (the node agent's)")
+        return self.catalog.table
+
     # ---- write path ------------------------------------------------------------------------------
     def put(self, keys: Sequence[Key], kv: npt.NDArray[np.uint8], hints: Hints | None = None) -> PutResult:
-        """Store pages ``keys`` from ``kv`` shaped ``[layers][len(keys)][page_bytes]`` (uint8, C order,
-        4 KiB aligned). Pages already stored are skipped; the rest are placed, written, then published."""
+        """Store pages ``keys`` from host buffer ``kv`` shaped ``[layers][len(keys)][page_bytes]`` (uint8,
+        C order, 4 KiB aligned). Pages already stored are skipped; the rest are placed, written, then
+        published with a checksum per page."""
         hints = hints or Hints()
         self._check_keys(keys, "keys")
         self._check_kv(kv, len(keys))
-        new = self.table.new_keys(keys)
-        if not new:
+        alloc = self.catalog.allocate(keys, hints)
+        if alloc is None:
             return PutResult(0, len(keys), None, "all stored")
+        new = alloc.index
         lo, hi = new[0], new[-1] + 1
         if hi - lo == len(new):
             pages = kv[:, lo:hi]
         else:  # holes among the new pages: gather them into one aligned, layer-major buffer
             pages = aligned_empty((self.config.layers, len(new), self.config.page_bytes))
             pages[...] = kv[:, new]
-        parent = keys[lo - 1] if lo > 0 else hints.parent_key
-        new_keys = [keys[i] for i in new]
-        res = self.table.reserve(new_keys, parent, decide(hints, self.config.placement))
         try:
-            self._write(res, pages)
+            self._write(alloc, pages)
         except OSError as exc:
-            self.table.abort(res)
+            self.catalog.abort(alloc.id)
             self.stats.add("write_errors")
-            raise StorageWriteError(
-                exc.errno, f"put of {len(new_keys)} pages failed, nothing published: {exc}"
-            ) from exc
+            raise StorageWriteError(exc.errno, f"put of {len(new)} pages failed, nothing published: {exc}") from exc
         except BaseException:
-            self.table.abort(res)
+            self.catalog.abort(alloc.id)
             raise
-        self.table.publish(res)
-        self.placements.add(res.decision, len(new_keys))
-        self.stats.add("put_pages", len(new_keys))
+        self.catalog.publish(alloc.id, [page_checksum(pages, j) for j in range(len(new))])
+        self.stats.add("put_pages", len(new))
         self.stats.add("write_bytes_logical", pages.nbytes)
-        return PutResult(len(new_keys), len(keys) - len(new_keys), res.scope.medium, res.decision.reason.value)
+        return PutResult(len(new), len(keys) - len(new), alloc.medium, alloc.reason)
 
-    def _write(self, res: Reservation, pages: npt.NDArray[np.uint8]) -> None:
-        if res.slots:
-            self._dram3[res.slots] = pages.transpose(1, 0, 2)
+    def _write(self, alloc: Allocation, pages: npt.NDArray[np.uint8]) -> None:
+        if alloc.slots:
+            self._dram3[alloc.slots] = pages.transpose(1, 0, 2)
             self.stats.add("write_bytes_dram", pages.nbytes)
             return
         futures: list[Future[int]] = []
-        for i, seg in enumerate(res.segments):
+        for i, seg in enumerate(alloc.segments):
             bufs = [pages[layer, seg.first_page : seg.first_page + seg.pages] for layer in range(pages.shape[0])]
             futures.append(self.io.submit_write(i, seg.file, seg.offset, bufs))
         errors = [f.exception() for f in futures]
@@ -153,11 +173,8 @@ class Engine:
 
     # ---- read path -------------------------------------------------------------------------------
     def exists(self, keys: Sequence[Key]) -> int:
-        """Length of the stored prefix of ``keys`` (lock-free)."""
-        return self.table.hit_prefix(keys)
-
-    def locate(self, keys: Sequence[Key]) -> list[Location | None]:
-        return [self.table.lookup(k) for k in keys]
+        """Length of the stored prefix of ``keys``."""
+        return self.catalog.exists(keys)
 
     def get(self, keys: Sequence[Key], dest: npt.NDArray[np.uint8], dest_pages: Sequence[int] | None = None) -> Restore:
         """Restore ``keys`` into ``dest[layer, dest_pages[i]]``; iterate the result for layers in order.
@@ -169,20 +186,8 @@ class Engine:
         c = self.config
         self._check_keys(keys, "keys")
         pages = self._check_dest(dest, len(keys), dest_pages)
-        locs: list[Location] = []
-        for i, key in enumerate(keys):
-            loc = self.table.lookup(key)
-            if loc is None:
-                raise UnknownKeyError(
-                    f"keys[{i}]: {key!r} is not stored; restore only the hit prefix that "
-                    "exists() reports and recompute the rest"
-                )
-            locs.append(loc)
-        vanished = self.table.pin(keys, locs)
-        if vanished:
-            i = vanished[0]
-            raise UnknownKeyError(f"keys[{i}]: {keys[i]!r} was reclaimed while resolving; recompute it")
-        scopes = {loc.scope for loc in locs}
+        lease = self.catalog.acquire(keys)
+        locs = lease.locations
         gvas = np.fromiter((loc.gva for loc in locs), dtype=np.uint64, count=len(locs))
         strides = np.fromiter((loc.layer_stride for loc in locs), dtype=np.int64, count=len(locs))
         on_ssd = gvas >= np.uint64(G.SSD_THRESHOLD)  # the medium is the top field: one compare
@@ -215,7 +220,7 @@ class Engine:
             scatter=(cupy_scatter if self.on_gpu else numpy_scatter)(dest, c.page_bytes),
             copy_dram=copy_dram,
             stats=self.stats,
-            on_close=lambda: self.table.unpin(scopes),
+            on_close=lambda: self.catalog.release(lease.id),
         )
 
     # ---- checks ----------------------------------------------------------------------------------
@@ -266,22 +271,13 @@ class Engine:
 
     # ---- state -----------------------------------------------------------------------------------
     def usage(self) -> dict[str, dict[str, int]]:
-        t = self.table
-        return {
-            m.name.lower(): {
-                "used_bytes": t.used(m) * t.unit_bytes(m),
-                "capacity_bytes": t.capacity(m) * t.unit_bytes(m),
-                "scopes": sum(1 for s in t.scopes.values() if s.medium is m),
-                "reclaimed_scopes": t.reclaimed[m].scopes,
-                "reclaimed_bytes": t.reclaimed[m].bytes,
-            }
-            for m in Medium
-        }
+        return self.table.usage()
 
     def close(self) -> None:
         self.io.close()
         del self._dram3
-        self.dram.close(unlink=True)
+        self.dram.close(unlink=self._owns_dram)
+        self.catalog.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -127,13 +127,14 @@ class ScopeTable:
         self.high, self.low = high_watermark, low_watermark
         self.entries: dict[Key, Location] = {}
         self.scopes: dict[int, Scope] = {}
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.dram = SlotAllocator(dram_slots)
         self._free_files = list(range(files - 1, -1, -1))
         self._pending: set[Key] = set()
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
         self.reclaimed = {Medium.DRAM: ReclaimStats(), Medium.SSD: ReclaimStats()}
+        self.on_free: Callable[[Scope], None] | None = None  # told of every scope freed (journal)
 
     # ---- readers (no lock) -------------------------------------------------------------------
     def lookup(self, key: Key) -> Location | None:
@@ -305,12 +306,28 @@ class ScopeTable:
             self._free_scope(self.scopes[sid], count=True)
         return chosen
 
+    def adopt(self, scope: Scope, entries: dict[Key, Location]) -> None:
+        """Re-create a scope found in the journal at start-up (its space must be free)."""
+        with self.lock:
+            taken = set(scope.files) - set(self._free_files)
+            if taken:
+                raise ValueError(f"scope {scope.id}: files {sorted(taken)} already belong to another scope")
+            self._free_files = [f for f in self._free_files if f not in set(scope.files)]
+            if scope.slots:
+                self.dram.take(scope.slots)
+            self.scopes[scope.id] = scope
+            self.entries.update(entries)
+            scope.last_used = next(self._clock)
+            self._ids = itertools.count(max(next(self._ids), scope.id + 1))
+
     def _new_scope(self, medium: Medium) -> Scope:
         scope = Scope(next(self._ids), medium, next(self._clock))
         self.scopes[scope.id] = scope
         return scope
 
     def _free_scope(self, scope: Scope, count: bool) -> None:
+        if self.on_free is not None and scope.keys:
+            self.on_free(scope)
         for key in scope.keys:  # entries go before the space can be reused
             self.entries.pop(key, None)
         if count:
@@ -323,3 +340,17 @@ class ScopeTable:
             self.dram.release(scope.slots)
         scope.files, scope.slots, scope.keys = [], [], []
         del self.scopes[scope.id]
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Used and total bytes, scopes and reclaim counts per medium."""
+        with self.lock:
+            return {
+                m.name.lower(): {
+                    "used_bytes": self.used(m) * self.unit_bytes(m),
+                    "capacity_bytes": self.capacity(m) * self.unit_bytes(m),
+                    "scopes": sum(1 for s in self.scopes.values() if s.medium is m),
+                    "reclaimed_scopes": self.reclaimed[m].scopes,
+                    "reclaimed_bytes": self.reclaimed[m].bytes,
+                }
+                for m in Medium
+            }

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -27,9 +28,13 @@ def small_config(tmp: Path, **kw: Any) -> EngineConfig:
         bytes=kw.pop("dram_bytes", 16 * layers * page_bytes),
         huge_pages=False,
         name=f"flatcake-test-{os.getpid()}-{next(_names)}",
+        shm_dir=str(tmp),
     )
+    tmp.mkdir(parents=True, exist_ok=True)
     io = dict(backend="posix", workers=2, staging_slot_bytes=kw.pop("slot_bytes", 64 * 1024))
     io.update(kw.pop("io", {}))
+    agent = dict(socket=str(tmp / "agent.sock"), metrics_host="127.0.0.1", metrics_port=0)
+    agent.update(kw.pop("agent", {}))
     return EngineConfig(
         layers=layers, page_bytes=page_bytes, ssd=SsdConfig(**ssd), dram=DramConfig(**dram), io=IOConfig(**io), **kw
     )
@@ -87,3 +92,49 @@ class FaultyIO:
 
     def close(self) -> None:
         self.inner.close()
+
+
+class AgentThread:
+    """A real agent serving its socket from a thread of the test process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import asyncio
+        import threading
+
+        from flatcake.node_agent.agent import Agent
+
+        self.config = config
+        self.agent = Agent(config)
+        self.port = self.agent.start_http()
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self.agent.serve(self._stop),))
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.agent.ready:
+            assert time.monotonic() < deadline, "agent did not become ready"
+            time.sleep(0.01)
+
+    @property
+    def socket(self) -> str:
+        return self.config.agent.socket
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+        self._loop.close()
+        self.agent.close()
+
+
+@pytest.fixture
+def agent_thread(tmp_path: Path) -> Iterator[Callable[..., AgentThread]]:
+    made: list[AgentThread] = []
+
+    def start(**kw: Any) -> AgentThread:
+        a = AgentThread(small_config(tmp_path / "node", **kw))
+        made.append(a)
+        return a
+
+    yield start
+    for a in made:
+        a.stop()

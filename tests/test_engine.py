@@ -112,7 +112,7 @@ def test_eio_and_short_reads_mark_pages_missing_and_are_counted(make_engine: Mak
     keys = [f"k{i}" for i in range(6)]
     e.put(keys, kv)
     good = restore(e, keys)[0]
-    locs = e.locate(keys)
+    locs = [e.table.lookup(k) for k in keys]
     bad_file = int(locs[0].gva & ((1 << 48) - 1)) // e.config.ssd.file_bytes  # type: ignore[union-attr]
     calls = {"n": 0}
 

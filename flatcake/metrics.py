@@ -1,0 +1,111 @@
+"""The metrics catalogue: every FlatCake metric's name, type, labels, unit and help, in one place.
+
+Processes register what they export from here (``family`` for values read from state at scrape
+time, ``histogram`` for observed latencies); dashboards are generated from the same list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str  # without the _total suffix of counters
+    kind: str  # counter | gauge | histogram
+    labels: tuple[str, ...]
+    unit: str
+    help: str
+
+
+_SPECS = [
+    # Agent control plane.
+    Spec("flatcake_agent_requests", "counter", ("op",), "", "Control requests served, by operation."),
+    Spec("flatcake_agent_request_errors", "counter", ("op", "code"), "", "Control requests answered with an error."),
+    Spec("flatcake_agent_request_seconds", "histogram", ("op",), "seconds", "Control request service time."),
+    Spec("flatcake_agent_clients", "gauge", (), "", "Connected clients."),
+    Spec("flatcake_agent_open_handles", "gauge", ("kind",), "", "Unpublished allocations and held leases."),
+    Spec("flatcake_agent_ready", "gauge", (), "", "1 once recovery finished and the socket is served."),
+    Spec("flatcake_recovered_pages", "gauge", (), "", "Pages recovered from the journal at start-up."),
+    Spec("flatcake_recovery_dropped_pages", "gauge", (), "", "Journaled pages dropped at start-up: checksum mismatch."),
+    # Capacity and placement.
+    Spec("flatcake_capacity_bytes", "gauge", ("medium",), "bytes", "Capacity of each medium."),
+    Spec("flatcake_used_bytes", "gauge", ("medium",), "bytes", "Space held by scopes on each medium."),
+    Spec("flatcake_scopes", "gauge", ("medium",), "", "Live session scopes on each medium."),
+    Spec("flatcake_reclaimed_scopes", "counter", ("medium",), "", "Scopes freed whole by reclaim."),
+    Spec("flatcake_reclaimed_bytes", "counter", ("medium",), "bytes", "Bytes freed by reclaim."),
+    Spec("flatcake_placements", "counter", ("medium", "reason"), "", "Pages placed, by medium and reason."),
+    # Data path (counted by whoever moves the bytes: the engine, or clients reporting to the agent).
+    Spec("flatcake_ssd_read_commands", "counter", (), "", "SSD read commands issued by restores."),
+    Spec("flatcake_ssd_read_bytes", "counter", (), "bytes", "Bytes read from SSD by restores."),
+    Spec("flatcake_ssd_requested_bytes", "counter", (), "bytes", "Bytes restores asked for (read amplification)."),
+    Spec("flatcake_ssd_descriptors", "counter", (), "", "Page-layer descriptors merged into read commands."),
+    Spec("flatcake_restore_pages", "counter", ("medium",), "", "Pages restored, by medium."),
+    Spec("flatcake_pages_missing", "counter", (), "", "Pages a restore could not read (left to recompute)."),
+    Spec("flatcake_io_errors", "counter", ("kind",), "", "I/O errors by kind (errno name, short_read, write)."),
+    Spec("flatcake_staging_waits", "counter", (), "", "Restores that waited for a staging window."),
+    Spec("flatcake_write_bytes", "counter", ("kind",), "bytes", "Bytes written: logical, dram, ssd."),
+]
+CATALOG: dict[str, Spec] = {s.name: s for s in _SPECS}
+
+
+def exposed_name(spec: Spec) -> str:
+    """The series name Prometheus shows (counters gain ``_total``)."""
+    return spec.name + "_total" if spec.kind == "counter" else spec.name
+
+
+def family(name: str, samples: Iterable[tuple[tuple[str, ...], float]]) -> Metric:
+    """A metric family of catalogue metric ``name`` with ``(label values, value)`` samples."""
+    spec = CATALOG[name]
+    fam: Metric
+    if spec.kind == "counter":
+        fam = CounterMetricFamily(spec.name, spec.help, labels=spec.labels, unit="")
+    elif spec.kind == "gauge":
+        fam = GaugeMetricFamily(spec.name, spec.help, labels=spec.labels, unit="")
+    else:
+        raise ValueError(f"{name}: a {spec.kind} is observed, not read from state")
+    for labels, value in samples:
+        fam.add_metric(list(labels), value)
+    return fam
+
+
+def histogram(name: str, registry: CollectorRegistry) -> Histogram:
+    spec = CATALOG[name]
+    if spec.kind != "histogram":
+        raise ValueError(f"{name}: is a {spec.kind}, not a histogram")
+    return Histogram(spec.name, spec.help, spec.labels, registry=registry)
+
+
+# Engine Stats counter -> (catalogue metric, label values).
+STATS_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
+    "read_commands": ("flatcake_ssd_read_commands", ()),
+    "read_bytes": ("flatcake_ssd_read_bytes", ()),
+    "requested_bytes": ("flatcake_ssd_requested_bytes", ()),
+    "descriptors": ("flatcake_ssd_descriptors", ()),
+    "restore_pages_dram": ("flatcake_restore_pages", ("dram",)),
+    "restore_pages_ssd": ("flatcake_restore_pages", ("ssd",)),
+    "pages_missing": ("flatcake_pages_missing", ()),
+    "staging_waits": ("flatcake_staging_waits", ()),
+    "write_bytes_logical": ("flatcake_write_bytes", ("logical",)),
+    "write_bytes_dram": ("flatcake_write_bytes", ("dram",)),
+    "write_bytes_ssd": ("flatcake_write_bytes", ("ssd",)),
+    "write_errors": ("flatcake_io_errors", ("write",)),
+}
+
+
+def stats_families(counts: dict[str, int]) -> list[Metric]:
+    """Families for engine ``Stats`` counters (``io_errors_<kind>`` map to flatcake_io_errors)."""
+    grouped: dict[str, list[tuple[tuple[str, ...], float]]] = {}
+    for key, value in counts.items():
+        if key in STATS_MAP:
+            name, labels = STATS_MAP[key]
+        elif key.startswith("io_errors_"):
+            name, labels = "flatcake_io_errors", (key.removeprefix("io_errors_"),)
+        else:
+            continue
+        grouped.setdefault(name, []).append((labels, float(value)))
+    return [family(name, samples) for name, samples in grouped.items()]
