@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from flatcake.node_agent.buffers import aligned_empty
-from flatcake.node_agent.config import DramConfig, EngineConfig, IOConfig, SsdConfig
+from flatcake.node_agent.config import AgentConfig, DramConfig, EngineConfig, IOConfig, SsdConfig
 from flatcake.node_agent.engine import Engine
 from flatcake.node_agent.io_backends import IOBackend
 
@@ -36,7 +36,13 @@ def small_config(tmp: Path, **kw: Any) -> EngineConfig:
     agent = dict(socket=str(tmp / "agent.sock"), metrics_host="127.0.0.1", metrics_port=0)
     agent.update(kw.pop("agent", {}))
     return EngineConfig(
-        layers=layers, page_bytes=page_bytes, ssd=SsdConfig(**ssd), dram=DramConfig(**dram), io=IOConfig(**io), **kw
+        layers=layers,
+        page_bytes=page_bytes,
+        ssd=SsdConfig(**ssd),
+        dram=DramConfig(**dram),
+        io=IOConfig(**io),
+        agent=AgentConfig(**agent),
+        **kw,
     )
 
 
@@ -120,6 +126,8 @@ class AgentThread:
         return self.config.agent.socket
 
     def stop(self) -> None:
+        if self._loop.is_closed():
+            return
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
         self._loop.close()
