@@ -26,11 +26,24 @@ def _bench_restore(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, workers=args.workers)
     report = br.run(cfg, Path(args.dir), sweep=args.sweep, quiet=args.quiet, log=lambda m: print(m, file=sys.stderr))
     print(br.format_table(report))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+    _write_json(args.json, report)
     return 0
+
+
+def _bench_agent(args: argparse.Namespace) -> int:
+    from flatcake.loadgen import bench_agent as ba
+
+    report = ba.run(ba.QUICK if args.quick else ba.AgentBenchConfig(), log=lambda m: print(m, file=sys.stderr))
+    print(ba.format_table(report))
+    _write_json(args.json, report)
+    return 0
+
+
+def _write_json(path: str | None, report: dict[str, object]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
 
 
 def _agent_serve(args: argparse.Namespace) -> int:
@@ -55,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("sessions", "turns", "pages-per-turn", "layers", "page-bytes", "workers"):
         restore.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
     restore.set_defaults(func=_bench_restore)
+
+    agent_bench = bench.add_parser("agent", help="control-path round trips through the agent vs in-process")
+    agent_bench.add_argument("--quick", action="store_true", help="half a second per point")
+    agent_bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    agent_bench.set_defaults(func=_bench_agent)
 
     agent = sub.add_parser("agent", help="the node agent").add_subparsers(dest="agent", required=True)
     serve = agent.add_parser("serve", help="serve the storage engine's catalog to this node's clients")

@@ -196,18 +196,34 @@ class Agent:
             raise P.ProtocolError(P.BAD_ARGS, "stats: must be a map of counter name to integer")
         self.client_stats.update(stats)
 
+    def service_seconds(self) -> dict[str, tuple[float, float]]:
+        """Per op: (count, total seconds) of service time, from the request histogram."""
+        out: dict[str, tuple[float, float]] = {}
+        for metric in self.registry.collect():
+            if metric.name != "flatcake_agent_request_seconds":
+                continue
+            for sample in metric.samples:
+                op = sample.labels.get("op", "")
+                count, total = out.get(op, (0.0, 0.0))
+                if sample.name.endswith("_count"):
+                    count = sample.value
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+                out[op] = (count, total)
+        return out
+
     def snapshot(self) -> dict[str, Any]:
         allocs, leases = self.catalog.handles()
         return {
             "usage": self.catalog.table.usage(), "placements": self.catalog.placements.snapshot(),
             "clients": len(self.sessions), "open_allocations": allocs, "leases": leases,
             "recovered": asdict(self.recovered), "client_stats": dict(self.client_stats),
-            "journal_records": self.journal.records,
+            "journal_records": self.journal.records, "service_seconds": self.service_seconds(),
         }  # fmt: skip
 
-    def handle_frame(self, session: Session, body: bytes) -> dict[str, Any]:
+    def handle_frame(self, session: Session, body: bytes) -> tuple[str, dict[str, Any]]:
+        """The reply to one request frame, and the op it was (for metrics); never raises."""
         req_id, op = 0, "?"
-        started = time.perf_counter()
         try:
             req_id, op, args = P.check_request(P.unpack(body))
             result = self.dispatch(session, op, args)
@@ -229,8 +245,7 @@ class Agent:
         self.requests[op] += 1
         if not reply["ok"]:
             self.errors[(op, reply["error"]["code"])] += 1
-        self.latency.labels(op).observe(time.perf_counter() - started)
-        return reply
+        return op, reply
 
     def drop(self, session: Session) -> None:
         """The client is gone: abort what it never published, release what it pinned."""
@@ -267,10 +282,14 @@ class Agent:
                         remaining -= len(chunk)
                     self.errors[("other", P.OVERSIZED)] += 1
                     reply = P.error(0, P.OVERSIZED, f"frame of {length} bytes exceeds {P.MAX_FRAME}; send fewer keys")
+                    writer.write(P.pack(reply))
                 else:
                     body = await reader.readexactly(length)
-                    reply = self.handle_frame(session, body)
-                writer.write(P.pack(reply))
+                    started = time.perf_counter()
+                    op, reply = self.handle_frame(session, body)
+                    writer.write(P.pack(reply))
+                    # Service time: decode, work, encode (the socket and queueing are the client's view).
+                    self.latency.labels(op).observe(time.perf_counter() - started)
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
