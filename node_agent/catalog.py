@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import threading
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from flatcake.node_agent.gva import Medium
 from flatcake.node_agent.journal import Journal, replay
@@ -146,22 +147,21 @@ class LocalCatalog:
 
     def acquire(self, keys: Sequence[Key]) -> Lease:
         t = self.table
-        locs: list[Location] = []
-        for i, key in enumerate(keys):
-            loc = t.lookup(key)
-            if loc is None:
-                raise UnknownKeyError(
-                    f"keys[{i}]: {key!r} is not stored; restore only the hit prefix that exists() reports "
-                    "and recompute the rest"
-                )
-            locs.append(loc)
+        found = t.lookup_many(keys)
+        if None in found:
+            i = found.index(None)
+            raise UnknownKeyError(
+                f"keys[{i}]: {keys[i]!r} is not stored; restore only the hit prefix that exists() reports "
+                "and recompute the rest"
+            )
+        locs = cast(list[Location], found)
         vanished = t.pin(keys, locs)
         if vanished:
             i = vanished[0]
             raise UnknownKeyError(f"keys[{i}]: {keys[i]!r} was reclaimed while resolving; recompute it")
         lease_id = next(self._ids)
         with self._lock:
-            self._leases[lease_id] = {loc.scope for loc in locs}
+            self._leases[lease_id] = set(map(operator.itemgetter(0), locs))
         return Lease(lease_id, locs)
 
     def release(self, lease_id: int) -> None:

@@ -15,6 +15,7 @@ scopes). A reader that wants to read bytes pins first; ``pin`` re-validates each
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -140,12 +141,13 @@ class ScopeTable:
     def lookup(self, key: Key) -> Location | None:
         return self.entries.get(key)
 
+    def lookup_many(self, keys: Sequence[Key]) -> list[Location | None]:
+        """Locations of ``keys`` (None where absent); ``map`` keeps the per-key cost in C."""
+        return list(map(self.entries.get, keys))
+
     def hit_prefix(self, keys: Sequence[Key]) -> int:
-        entries = self.entries
-        for i, key in enumerate(keys):
-            if key not in entries:
-                return i
-        return len(keys)
+        found = list(map(self.entries.__contains__, keys))
+        return found.index(False) if False in found else len(found)
 
     # ---- space accounting --------------------------------------------------------------------
     def used(self, medium: Medium) -> int:
@@ -275,11 +277,11 @@ class ScopeTable:
         """Pin the scopes of pages a reader resolved; returns the index of the first key whose entry
         vanished (reclaimed meanwhile), or pins all and returns an empty list."""
         with self.lock:
-            for i, (k, loc) in enumerate(zip(keys, locs, strict=True)):
-                if self.entries.get(k) is not loc:
-                    return [i]
+            same = list(map(operator.is_, map(self.entries.get, keys), locs))
+            if False in same:
+                return [same.index(False)]
             now = next(self._clock)
-            for sid in {loc.scope for loc in locs}:
+            for sid in set(map(operator.itemgetter(0), locs)):
                 scope = self.scopes[sid]
                 scope.pins += 1
                 scope.last_used = now
