@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -124,7 +124,7 @@ class Agent:
         if op == "lookup":
             found = cat.table.lookup_many(P.keys_arg(args))
             hit = found.index(None) if None in found else len(found)
-            return {"hit": hit, **_columns(found[:hit], gva=1, stride=2)}
+            return {"hit": hit, **_columns(cast(list[Location], found[:hit]), gva=1, stride=2)}
         if op == "allocate":
             hints = args.get("hints", {})
             if not isinstance(hints, dict):
@@ -329,7 +329,7 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def _columns(rows: Sequence[Location | None], **fields: int) -> dict[str, list[int]]:
+def _columns(rows: Sequence[Location], **fields: int) -> dict[str, list[int]]:
     """Columns of Location tuples (``itemgetter`` keeps the per-row cost in C; ``zip(*rows)`` does not)."""
     return {name: list(map(operator.itemgetter(i), rows)) for name, i in fields.items()}
 
