@@ -1,0 +1,37 @@
+"""The docs name what the code defines."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from flatcake import metrics as M
+from flatcake.node_agent.config import EngineConfig
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def test_every_metric_is_documented() -> None:
+    text = (DOCS / "metrics.md").read_text()
+    missing = [M.exposed_name(s) for s in M.CATALOG.values() if f"`{M.exposed_name(s)}`" not in text]
+    assert not missing
+
+
+def _fields(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type) or (
+            isinstance(f.default_factory, type) if f.default_factory is not dataclasses.MISSING else False
+        ):
+            out += _fields(f.default_factory, prefix + f.name + ".")  # type: ignore[arg-type]
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def test_every_config_field_is_documented() -> None:
+    text = (DOCS / "configuration.md").read_text()
+    fields = _fields(EngineConfig)
+    assert "agent.journal_fsync" in fields and "ssd.file_bytes" in fields
+    undocumented = [f for f in fields if f"`{f}`" not in text]
+    assert not undocumented
