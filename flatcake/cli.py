@@ -46,6 +46,28 @@ def _write_json(path: str | None, report: dict[str, object]) -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
+def _trace_stats(args: argparse.Namespace) -> int:
+    from flatcake.loadgen import trace_stats as ts
+    from flatcake.loadgen.traces import read_trace
+
+    stats, per_block, dist = ts.compute_with_data(read_trace(args.trace, args.limit), progress=not args.quiet)
+    print(ts.format_stats(stats))
+    _write_json(args.json, stats)
+    if args.plots:
+        for path in ts.plot(per_block, dist, args.plots, Path(args.trace).stem):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _trace_synth(args: argparse.Namespace) -> int:
+    from flatcake.loadgen.synth import SynthConfig, synthesize
+    from flatcake.loadgen.traces import write_trace
+
+    n = write_trace(args.out, synthesize(SynthConfig(args.profile, args.requests, args.seed, args.qps)))
+    print(f"wrote {n} requests to {args.out}", file=sys.stderr)
+    return 0
+
+
 def _agent_serve(args: argparse.Namespace) -> int:
     from flatcake.node_agent import agent
     from flatcake.node_agent.config import EngineConfig
@@ -73,6 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
     agent_bench.add_argument("--quick", action="store_true", help="half a second per point")
     agent_bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     agent_bench.set_defaults(func=_bench_agent)
+
+    trace = sub.add_parser("trace", help="trace analysis and synthesis").add_subparsers(dest="trace_cmd", required=True)
+    stats = trace.add_parser("stats", help="what a trace promises a prefix cache (ideal hit rate, reuse, ...)")
+    stats.add_argument("trace", help="Mooncake or FlatCake JSONL trace")
+    stats.add_argument("--json", metavar="PATH", help="write the statistics as JSON")
+    stats.add_argument("--plots", metavar="DIR", help="write access-share and reuse-distance plots (PNG)")
+    stats.add_argument("--limit", type=int, help="only the first N requests")
+    stats.add_argument("--quiet", action="store_true", help="no progress bar")
+    stats.set_defaults(func=_trace_stats)
+    synth = trace.add_parser("synth", help="generate a trace with the shape of a workload")
+    synth.add_argument("--profile", required=True, choices=["agentic", "chat", "api"])
+    synth.add_argument("--requests", type=int, default=1000)
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--qps", type=float, default=1.0, help="mean arrival rate of the synthetic timestamps")
+    synth.add_argument("--out", required=True, help="output JSONL (FlatCake generic format)")
+    synth.set_defaults(func=_trace_synth)
 
     agent = sub.add_parser("agent", help="the node agent").add_subparsers(dest="agent", required=True)
     serve = agent.add_parser("serve", help="serve the storage engine's catalog to this node's clients")
