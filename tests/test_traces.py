@@ -20,7 +20,6 @@ def lines(*text: str) -> list[TraceRequest]:
     return list(read_lines(io.StringIO("\n".join(text) + "\n"), "t.jsonl"))
 
 
-# fmt: off
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
@@ -28,14 +27,21 @@ def lines(*text: str) -> list[TraceRequest]:
         ("[1, 2]", r"t.jsonl:2: expected a JSON object"),
         ('{"timestamp": 0, "output_length": 5, "hash_ids": []}', r"t.jsonl:2: missing field 'input_length'"),
         ('{"timestamp": 0, "input_length": "9", "output_length": 5, "hash_ids": [1]}', r"'input_length' is str"),
-        ('{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1]}', r"1 hash_ids for input_length 1000"),
-        ('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": ["a"]}', r"'hash_ids' must hold integers"),
+        (
+            '{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1]}',
+            r"1 hash_ids for input_length 1000",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": ["a"]}',
+            r"'hash_ids' must hold integers",
+        ),
         ('{"timestamp": -1, "input_length": 10, "output_length": 5, "hash_ids": [1]}', r">= 0"),
-        ('{"format": "flatcake-trace/1", "timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}',
-         r"missing field 'session'"),
+        (
+            '{"format": "flatcake-trace/1", "timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}',
+            r"missing field 'session'",
+        ),
     ],
 )
-# fmt: on
 def test_parse_errors_name_the_line_and_field(bad: str, message: str) -> None:
     with pytest.raises(TraceError, match=message):
         lines(GOOD, bad)
