@@ -68,6 +68,14 @@ def _trace_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _emulate(args: argparse.Namespace) -> int:
+    from flatcake.loadgen.emulator import EmulatorConfig, serve
+
+    fields = {k: v for k, v in vars(args).items() if k in EmulatorConfig.__dataclass_fields__ and v is not None}
+    serve(EmulatorConfig(**fields), args.host, args.port)
+    return 0
+
+
 def _agent_serve(args: argparse.Namespace) -> int:
     from flatcake.node_agent import agent
     from flatcake.node_agent.config import EngineConfig
@@ -111,6 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--qps", type=float, default=1.0, help="mean arrival rate of the synthetic timestamps")
     synth.add_argument("--out", required=True, help="output JSONL (FlatCake generic format)")
     synth.set_defaults(func=_trace_synth)
+
+    emulate = sub.add_parser("emulate", help="an inference server that stores real KV through the storage under test")
+    emulate.add_argument("--mode", choices=["flatcake", "tiered", "dram", "none"], default="flatcake")
+    emulate.add_argument("--host", default="127.0.0.1")
+    emulate.add_argument("--port", type=int, default=8000)
+    emulate.add_argument("--data-dir", dest="data_dir")
+    emulate.add_argument("--agent-socket", dest="agent_socket", help="flatcake mode: use this node agent")
+    for name, kind in (("hbm-bytes", int), ("dram-bytes", int), ("ssd-bytes", int), ("staging-tokens", int),
+                       ("prefill-tokens-per-s", float), ("decode-tokens-per-s", float), ("layers", int),
+                       ("bytes-per-token-layer", int)):  # fmt: skip
+        emulate.add_argument(f"--{name}", type=kind, dest=name.replace("-", "_"))
+    emulate.add_argument("--scheduler", choices=["mas", "fcfs"])
+    emulate.set_defaults(func=_emulate)
 
     agent = sub.add_parser("agent", help="the node agent").add_subparsers(dest="agent", required=True)
     serve = agent.add_parser("serve", help="serve the storage engine's catalog to this node's clients")

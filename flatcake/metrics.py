@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 
@@ -49,6 +49,45 @@ _SPECS = [
     Spec("flatcake_io_errors", "counter", ("kind",), "", "I/O errors by kind (errno name, short_read, write)."),
     Spec("flatcake_staging_waits", "counter", (), "", "Restores that waited for a staging window."),
     Spec("flatcake_write_bytes", "counter", ("kind",), "bytes", "Bytes written: logical, dram, ssd."),
+    # Serving (the emulator, or an inference engine's scheduler hook).
+    Spec("flatcake_requests", "counter", ("system",), "", "Requests served."),
+    Spec("flatcake_prompt_tokens", "counter", ("system",), "", "Prompt tokens requested."),
+    Spec(
+        "flatcake_hit_tokens",
+        "counter",
+        ("system", "medium"),
+        "",
+        "Prompt tokens whose KV was in HBM before prefill, by where it came from (hbm, dram, ssd).",
+    ),
+    Spec(
+        "flatcake_miss_tokens",
+        "counter",
+        ("system", "reason"),
+        "",
+        "Prompt tokens recomputed: uncached, declined (staging full), failed (I/O).",
+    ),
+    Spec("flatcake_prefetch_declined", "counter", ("system",), "", "SSD prefetches declined for lack of staging."),
+    Spec("flatcake_prefetch_seconds", "histogram", ("system",), "seconds", "SSD prefetch time per request."),
+    Spec("flatcake_queue_depth", "gauge", ("system", "queue"), "", "Requests waiting, by queue."),
+    Spec(
+        "flatcake_queue_wait_seconds",
+        "histogram",
+        ("system", "queue"),
+        "seconds",
+        "Time from arrival to prefill start, by the queue the request joined.",
+    ),
+    Spec("flatcake_staging_tokens", "gauge", ("system",), "", "Tokens held in host staging (tiered)."),
+    Spec(
+        "flatcake_server_ttft_seconds",
+        "histogram",
+        ("system",),
+        "seconds",
+        "Arrival to first token, measured by the server.",
+    ),
+    # Load generator.
+    Spec("flatcake_loadgen_ttft_seconds", "histogram", ("system",), "seconds", "Time to first token, client side."),
+    Spec("flatcake_loadgen_e2e_seconds", "histogram", ("system",), "seconds", "End-to-end latency, client side."),
+    Spec("flatcake_loadgen_requests", "counter", ("system", "outcome"), "", "Replayed requests by outcome."),
 ]
 CATALOG: dict[str, Spec] = {s.name: s for s in _SPECS}
 
@@ -73,11 +112,28 @@ def family(name: str, samples: Iterable[tuple[tuple[str, ...], float]]) -> Metri
     return fam
 
 
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
 def histogram(name: str, registry: CollectorRegistry) -> Histogram:
     spec = CATALOG[name]
     if spec.kind != "histogram":
         raise ValueError(f"{name}: is a {spec.kind}, not a histogram")
-    return Histogram(spec.name, spec.help, spec.labels, registry=registry)
+    return Histogram(spec.name, spec.help, spec.labels, registry=registry, buckets=LATENCY_BUCKETS)
+
+
+def counter(name: str, registry: CollectorRegistry) -> Counter:
+    spec = CATALOG[name]
+    if spec.kind != "counter":
+        raise ValueError(f"{name}: is a {spec.kind}, not a counter")
+    return Counter(spec.name, spec.help, spec.labels, registry=registry)
+
+
+def gauge(name: str, registry: CollectorRegistry) -> Gauge:
+    spec = CATALOG[name]
+    if spec.kind != "gauge":
+        raise ValueError(f"{name}: is a {spec.kind}, not a gauge")
+    return Gauge(spec.name, spec.help, spec.labels, registry=registry)
 
 
 # Engine Stats counter -> (catalogue metric, label values).

@@ -57,8 +57,9 @@ class TieredStore:
         if bucket_bytes <= 0:
             raise ValueError("bucket_bytes: must hold at least one page of all layers")
         self.bucket_bytes, self.buckets = bucket_bytes, buckets
-        pool = create_pool(directory, buckets, bucket_bytes)
-        self.io = PosixDirectIO([str(Path(directory) / f) for f in pool.files], workers)
+        # buckets=0: DRAM only (an L2 cache with no L3): evicted pages are simply dropped.
+        files = create_pool(directory, buckets, bucket_bytes).files if buckets else []
+        self.io = PosixDirectIO([str(Path(directory) / f) for f in files], workers)
         self.dram_pages = dram_pages
         self.l2: OrderedDict[Key, Array] = OrderedDict()
         self.l3: dict[Key, tuple[int, int]] = {}  # key -> (bucket, offset)
@@ -68,6 +69,7 @@ class TieredStore:
         self.counters = RestoreCounters()
         self.reclaimed_buckets = 0
         self.invalidated_pages = 0
+        self.dropped_pages = 0
 
     def put(self, keys: Sequence[Key], kv: Array) -> None:
         """New pages always enter DRAM; whatever falls off the LRU end goes to the SSD log."""
@@ -86,6 +88,9 @@ class TieredStore:
 
     def _evict(self) -> None:
         key, page = self.l2.popitem(last=False)
+        if not self.buckets:
+            self.dropped_pages += 1
+            return
         if self._cursor + self.page_span > self.bucket_bytes:
             self._bucket = (self._bucket + 1) % self.buckets
             self._cursor = 0
@@ -107,6 +112,13 @@ class TieredStore:
             if key not in self.l2 and key not in self.l3:
                 return i
         return len(keys)
+
+    def media(self, keys: Sequence[Key]) -> list[str]:
+        """Where each page of the stored prefix is: "dram" (L2) or "ssd" (L3)."""
+        out = []
+        for key in keys[: self.exists(keys)]:
+            out.append("dram" if key in self.l2 else "ssd")
+        return out
 
     def restore(self, keys: Sequence[Key], dest: Array) -> int:
         """Restore into ``dest[layer, i]``; returns pages missing. Reads one page-layer per command."""
