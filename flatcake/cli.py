@@ -63,7 +63,7 @@ def _trace_synth(args: argparse.Namespace) -> int:
     from flatcake.loadgen.synth import SynthConfig, synthesize
     from flatcake.loadgen.traces import write_trace
 
-    n = write_trace(args.out, synthesize(SynthConfig(args.profile, args.requests, args.seed, args.qps)))
+    n = write_trace(args.out, synthesize(SynthConfig(args.profile, args.requests, args.seed, args.qps, args.scale)))
     print(f"wrote {n} requests to {args.out}", file=sys.stderr)
     return 0
 
@@ -73,6 +73,40 @@ def _emulate(args: argparse.Namespace) -> int:
 
     fields = {k: v for k, v in vars(args).items() if k in EmulatorConfig.__dataclass_fields__ and v is not None}
     serve(EmulatorConfig(**fields), args.host, args.port)
+    return 0
+
+
+def _bench_e2e(args: argparse.Namespace) -> int:
+    from flatcake.loadgen import e2e
+    from flatcake.loadgen import report as R
+
+    cfg = e2e.QUICK if args.quick else e2e.E2EConfig()
+    if args.trace:
+        cfg = dataclasses.replace(cfg, trace=args.trace)
+    if args.requests:
+        cfg = dataclasses.replace(cfg, requests=args.requests)
+    if args.qps:
+        cfg = dataclasses.replace(cfg, qps=tuple(args.qps))
+    report = e2e.run(cfg, args.out, log=lambda m: print(m, file=sys.stderr))
+    print(R.format_table(report))
+    print(f"report: {Path(args.out) / 'report.md'} (and report.html, report.json, plots)", file=sys.stderr)
+    return 0
+
+
+def _loadgen_run(args: argparse.Namespace) -> int:
+    from flatcake.loadgen.run import LoadgenConfig, run
+
+    cfg = LoadgenConfig(host=args.host, trace=args.trace, qps=args.qps, system=args.system, results=args.results,
+                        csv_prefix=args.csv, limit=args.limit, api=args.api, max_output=args.max_output,
+                        users=args.users, role=args.role, master_host=args.master_host, workers=args.workers,
+                        allow_remote=args.allow_remote)  # fmt: skip
+    return run(cfg, quiet=False)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from flatcake.loadgen import report as R
+
+    print(R.format_table(R.write(args.runs, args.out)))
     return 0
 
 
@@ -99,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
         restore.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
     restore.set_defaults(func=_bench_restore)
 
+    e2e = bench.add_parser("e2e", help="the main job: trace replay through Locust against emulators, then the report")
+    e2e.add_argument("--quick", action="store_true", help="fewer requests per point")
+    e2e.add_argument("--trace", help="trace to replay (default: the bundled agentic trace)")
+    e2e.add_argument("--requests", type=int, help="requests replayed per point")
+    e2e.add_argument("--qps", type=float, nargs="+", help="arrival rates (default 2 4 8)")
+    e2e.add_argument("--out", default="results/e2e", help="where runs, report and plots go")
+    e2e.set_defaults(func=_bench_e2e)
+
     agent_bench = bench.add_parser("agent", help="control-path round trips through the agent vs in-process")
     agent_bench.add_argument("--quick", action="store_true", help="half a second per point")
     agent_bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -117,8 +159,32 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--requests", type=int, default=1000)
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--qps", type=float, default=1.0, help="mean arrival rate of the synthetic timestamps")
+    synth.add_argument("--scale", type=float, default=1.0, help="multiply context and turn lengths")
     synth.add_argument("--out", required=True, help="output JSONL (FlatCake generic format)")
     synth.set_defaults(func=_trace_synth)
+
+    lg = sub.add_parser("loadgen", help="load generation").add_subparsers(dest="loadgen_cmd", required=True)
+    lrun = lg.add_parser("run", help="replay a trace with Locust (headless) against an inference endpoint")
+    lrun.add_argument("--host", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    lrun.add_argument("--trace", required=True)
+    lrun.add_argument("--qps", type=float, required=True)
+    lrun.add_argument("--system", default="unknown", help="name of the system under test, for the report")
+    lrun.add_argument("--results", default="results/loadgen/results.jsonl")
+    lrun.add_argument("--csv", help="Locust CSV prefix")
+    lrun.add_argument("--limit", type=int, help="replay only the first N requests")
+    lrun.add_argument("--api", choices=["openai", "sglang"], default="openai")
+    lrun.add_argument("--max-output", type=int, default=16, dest="max_output")
+    lrun.add_argument("--users", type=int, default=64, help="concurrent Locust users (in flight at most)")
+    lrun.add_argument("--role", choices=["local", "master", "worker"], default="local")
+    lrun.add_argument("--master-host", default="127.0.0.1", dest="master_host")
+    lrun.add_argument("--workers", type=int, default=1, help="processes sharing the trace")
+    lrun.add_argument("--allow-remote", action="store_true", dest="allow_remote", help="target beyond loopback")
+    lrun.set_defaults(func=_loadgen_run)
+
+    rep = sub.add_parser("report", help="report.json, Markdown/HTML and plots from replay runs")
+    rep.add_argument("runs", help="directory of <system>/qps-<q>/results*.jsonl")
+    rep.add_argument("--out", help="output directory (default: the runs directory)")
+    rep.set_defaults(func=_report)
 
     emulate = sub.add_parser("emulate", help="an inference server that stores real KV through the storage under test")
     emulate.add_argument("--mode", choices=["flatcake", "tiered", "dram", "none"], default="flatcake")

@@ -165,3 +165,10 @@ def stats_families(counts: dict[str, int]) -> list[Metric]:
             continue
         grouped.setdefault(name, []).append((labels, float(value)))
     return [family(name, samples) for name, samples in grouped.items()]
+
+
+def markdown_table() -> str:
+    """The catalogue as the Markdown table in docs/metrics.md (regenerate with bin/gen-docs)."""
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    rows += [f"| `{exposed_name(s)}` | {s.kind} | {', '.join(s.labels) or '-'} | {s.help} |" for s in _SPECS]
+    return "\n".join(rows)

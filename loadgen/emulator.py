@@ -174,13 +174,14 @@ class Storage:
         """Write-through of newly computed pages (in the background; not on the TTFT path)."""
         for lo in range(0, len(keys), self._kv.shape[1]):
             chunk = keys[lo : lo + self._kv.shape[1]]
-            kv = self._kv[:, : len(chunk)]
+            kv = aligned_empty((self.cfg.layers, len(chunk), self.cfg.page_bytes))  # contiguous, as put wants
+            kv[...] = self._kv[:, : len(chunk)]
             if self.engine is not None:
                 hints = Hints(prefix_refcount=2 if shared else 1, turn=2 if parent else 1,
                               context_tokens=context_tokens, parent_key=parent)  # fmt: skip
                 try:
                     self.engine.put(chunk, kv, hints)
-                except (OSError, RuntimeError) as exc:  # pool full: the pages stay uncached
+                except (OSError, RuntimeError, ValueError) as exc:  # pool full: the pages stay uncached
                     log.warning("store failed: %s", exc)
                     return
                 parent = chunk[-1]
@@ -210,6 +211,7 @@ class Emulator:
         self.cfg = cfg
         self.storage = Storage(cfg)
         self.hbm: OrderedDict[str, None] = OrderedDict()
+        self.pinned: dict[str, int] = {}  # prefetched pages waiting for their prefill: not evicted
         self.hbm_pages = max(1, cfg.hbm_bytes // cfg.page_span)
         self.seen_roots: dict[str, int] = {}
         policy = cfg.scheduler if cfg.mode == "flatcake" else "fcfs"
@@ -250,20 +252,21 @@ class Emulator:
 
     # ---- one request -----------------------------------------------------------------------------
     async def prefill(self, tokens: Sequence[int]) -> Outcome:
-        """Admit, prefetch, schedule and prefill one prompt; returns when its first token is ready."""
+        """Admit, prefetch, schedule and prefill one prompt; returns when its first token is ready.
+
+        At arrival the prefix is looked up; pages found on SSD are prefetched into HBM in the
+        background (pinned there until this request's prefill). At dispatch whatever is not in HBM
+        by then is looked up again and loaded inline (DRAM, or pages stored meanwhile)."""
         assert self._cond is not None
         cfg = self.cfg
         out = Outcome(len(tokens), arrival=time.monotonic())
         keys = page_keys(tokens, cfg.page_tokens)
-        hbm = 0
-        while hbm < len(keys) and keys[hbm] in self.hbm:
-            self.hbm.move_to_end(keys[hbm])
-            hbm += 1
-        rest = keys[hbm:]
-        media = await asyncio.get_running_loop().run_in_executor(self._pool, self.storage.media, rest)
+        hbm = self._hbm_prefix(keys)
+        media = await asyncio.get_running_loop().run_in_executor(self._pool, self.storage.media, keys[hbm:])
         n_dram = media.index("ssd") if "ssd" in media else len(media)
-        job = _Job(next(self._ids), keys, hbm, media, n_dram, out)
-        req = Request(str(job.id), out.arrival, ssd_bytes=(len(media) - n_dram) * cfg.page_span)
+        ssd_keys = keys[hbm + n_dram : hbm + len(media)]
+        job = _Job(next(self._ids), keys, ssd_keys, out)
+        req = Request(str(job.id), out.arrival, ssd_bytes=len(ssd_keys) * cfg.page_span)
         self._jobs[req.id] = job
         async with self._cond:
             out.queue = self.sched.arrive(req)
@@ -275,6 +278,38 @@ class Emulator:
     def _depths(self) -> None:
         for queue, depth in self.sched.depths().items():
             self.m["flatcake_queue_depth"].labels(self.cfg.mode, queue).set(depth)
+
+    def _hbm_prefix(self, keys: list[str]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.hbm:
+            self.hbm.move_to_end(keys[n])
+            n += 1
+        return n
+
+    def _hbm_insert(self, keys: list[str]) -> None:
+        for key in keys:
+            self.hbm[key] = None
+            self.hbm.move_to_end(key)
+        excess = len(self.hbm) - self.hbm_pages
+        for key in list(itertools.islice(self.hbm, max(0, excess) + len(self.pinned))):
+            if excess <= 0:
+                break
+            if key not in self.pinned:
+                del self.hbm[key]
+                excess -= 1
+
+    def _staging_reserve(self, pages: int) -> bool:
+        tokens = pages * self.cfg.page_tokens
+        if self.staging_tokens + tokens > self.cfg.staging_tokens:
+            self.m["flatcake_prefetch_declined"].labels(self.cfg.mode).inc()
+            return False
+        self.staging_tokens += tokens
+        self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
+        return True
+
+    def _staging_release(self, pages: int) -> None:
+        self.staging_tokens -= pages * self.cfg.page_tokens
+        self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
 
     async def _prefetch_loop(self) -> None:
         """SSD prefetches, in the scheduler's order (HRRN by volume for FlatCake, arrival for FCFS)."""
@@ -288,20 +323,19 @@ class Emulator:
                     if req is None:
                         await self._cond.wait()
             job = self._jobs[req.id]
-            ssd_keys = job.keys[job.hbm + job.n_dram : job.hbm + len(job.media)]
             started = time.monotonic()
-            if self.cfg.mode == "tiered":
-                tokens = len(ssd_keys) * self.cfg.page_tokens
-                if self.staging_tokens + tokens > self.cfg.staging_tokens:
-                    job.declined = len(ssd_keys)  # no staging space: declined, recomputed
-                    self.m["flatcake_prefetch_declined"].labels(self.cfg.mode).inc()
-                else:
-                    self.staging_tokens += tokens
-                    job.staged = tokens
-                    job.ssd_loaded = await loop.run_in_executor(self._pool, self.storage.restore, ssd_keys)
-            else:  # FlatCake restores straight into HBM through its window (it waits, never declines)
-                job.ssd_loaded = await loop.run_in_executor(self._pool, self.storage.restore, ssd_keys)
-            self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
+            # Tiered: host staging holds the pages from now until the request's prefill; none left
+            # means the prefetch is declined and the prefix recomputed. FlatCake streams into HBM
+            # through its bounded window, which waits when full and never declines.
+            if self.cfg.mode != "tiered" or self._staging_reserve(len(job.ssd_keys)):
+                job.staged = len(job.ssd_keys) if self.cfg.mode == "tiered" else 0
+                got = await loop.run_in_executor(self._pool, self.storage.restore, job.ssd_keys)
+                for key in job.ssd_keys[:got]:
+                    job.prefetched[key] = "ssd"
+                    self.pinned[key] = self.pinned.get(key, 0) + 1
+                self._hbm_insert(job.ssd_keys[:got])
+            else:
+                job.declined = len(job.ssd_keys)
             self.m["flatcake_prefetch_seconds"].labels(self.cfg.mode).observe(time.monotonic() - started)
             async with self._cond:
                 self.sched.prefetch_done(req.id)
@@ -325,32 +359,48 @@ class Emulator:
             out = job.outcome
             out.prefill_start = time.monotonic()
             self.m["flatcake_queue_wait_seconds"].labels(cfg.mode, out.queue).observe(out.prefill_start - out.arrival)
-            dram_keys = job.keys[job.hbm : job.hbm + job.n_dram]
-            dram_loaded = await loop.run_in_executor(self._pool, self.storage.restore, dram_keys)
-            usable = dram_loaded if dram_loaded < job.n_dram else job.n_dram + job.ssd_loaded
-            out.hit_pages = {"hbm": job.hbm, "dram": min(dram_loaded, job.n_dram),
-                             "ssd": max(0, usable - job.n_dram)}  # fmt: skip
-            out.declined_pages = job.declined
-            out.failed_pages = len(job.media) - job.declined - (usable if job.media else 0)
-            cached = job.hbm + usable
+            keys = job.keys
+            cached = self._hbm_prefix(keys)
+            hits = out.hit_pages
+            for key in keys[:cached]:
+                hits[job.prefetched.get(key, "hbm")] += 1
+            # Whatever HBM lacks now: look it up again (pages stored since arrival count) and load it.
+            late = await loop.run_in_executor(self._pool, self.storage.media, keys[cached:])
+            if cfg.mode == "tiered" and "ssd" in late and not self._staging_reserve(len(late) - late.index("ssd")):
+                out.declined_pages += len(late) - late.index("ssd")
+                late = late[: late.index("ssd")]
+            elif cfg.mode == "tiered" and "ssd" in late:
+                job.staged += len(late) - late.index("ssd")
+            got = await loop.run_in_executor(self._pool, self.storage.restore, keys[cached : cached + len(late)])
+            for medium in late[:got]:
+                hits[medium] += 1
+            out.failed_pages = len(late) - got
+            cached += got
+            out.declined_pages += job.declined
             miss_tokens = out.prompt_tokens - cached * cfg.page_tokens
             await asyncio.sleep(miss_tokens / cfg.prefill_tokens_per_s)
             if job.staged:
-                self.staging_tokens -= job.staged  # the prefix is on the GPU now
-            for key in job.keys:  # the whole prompt is in HBM after prefill
-                self.hbm[key] = None
-                self.hbm.move_to_end(key)
-            while len(self.hbm) > self.hbm_pages:
-                self.hbm.popitem(last=False)
-            new = job.keys[cached:]
+                self._staging_release(job.staged)  # the prefix is on the GPU now
+            for key in job.prefetched:
+                self.pinned[key] -= 1
+                if not self.pinned[key]:
+                    del self.pinned[key]
+            self._hbm_insert(keys)  # the whole prompt is in HBM after prefill
+            new = keys[cached:]
             if new:
-                root = job.keys[0]
+                root = keys[0]
                 self.seen_roots[root] = self.seen_roots.get(root, 0) + 1
-                parent = job.keys[cached - 1] if cached else None
-                self._writer.submit(self.storage.store, new, parent, out.prompt_tokens, self.seen_roots[root] > 1)
+                parent = keys[cached - 1] if cached else None
+                self._writer.submit(self._store, new, parent, out.prompt_tokens, self.seen_roots[root] > 1)
             out.first_token = time.monotonic()
             self._count(out, miss_tokens)
             job.done.set()
+
+    def _store(self, keys: list[str], parent: str | None, context_tokens: int, shared: bool) -> None:
+        try:
+            self.storage.store(keys, parent, context_tokens, shared)
+        except Exception:  # a background write must not die silently
+            log.exception("storing %d pages failed", len(keys))
 
     def _count(self, out: Outcome, miss_tokens: int) -> None:
         mode, pt = self.cfg.mode, self.cfg.page_tokens
@@ -374,13 +424,11 @@ class Emulator:
 class _Job:
     id: int
     keys: list[str]
-    hbm: int
-    media: list[str]
-    n_dram: int
+    ssd_keys: list[str]  # found on SSD at arrival: prefetched in the background
     outcome: Outcome
     declined: int = 0
-    staged: int = 0
-    ssd_loaded: int = 0
+    staged: int = 0  # tiered: pages holding host staging until prefill
+    prefetched: dict[str, str] = field(default_factory=dict)  # key -> medium it was prefetched from
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 

@@ -31,6 +31,7 @@ class SynthConfig:
     requests: int = 1000
     seed: int = 0
     qps: float = 1.0  # mean arrival rate of the synthetic clock
+    scale: float = 1.0  # multiplies context and turn lengths (0.1: agentic contexts of ~20K tokens)
 
 
 class _Ids:
@@ -50,8 +51,10 @@ def synthesize(cfg: SynthConfig) -> Iterator[TraceRequest]:
         raise ValueError(f"profile: {cfg.profile!r} must be one of {PROFILES}")
     rng = np.random.default_rng(cfg.seed)
     ids = _Ids()
+    if cfg.scale <= 0:
+        raise ValueError(f"scale: {cfg.scale} must be > 0")
     gen = {"agentic": _agentic, "chat": _chat, "api": _api}[cfg.profile]
-    yield from itertools.islice(gen(rng, ids, cfg.qps), cfg.requests)
+    yield from itertools.islice(gen(rng, ids, cfg.qps, cfg.scale), cfg.requests)
 
 
 def _arrivals(rng: np.random.Generator, qps: float) -> Iterator[float]:
@@ -61,41 +64,43 @@ def _arrivals(rng: np.random.Generator, qps: float) -> Iterator[float]:
         yield t
 
 
-def _agent_session(rng: np.random.Generator, ids: _Ids, s: int) -> Iterator[tuple[list[int], int, int, str, int]]:
+def _agent_session(
+    rng: np.random.Generator, ids: _Ids, s: int, scale: float
+) -> Iterator[tuple[list[int], int, int, str, int]]:
     """One agent session's requests: (context ids, tokens, output tokens, session, turn)."""
-    tokens = int(rng.integers(20_000, 40_000))  # system prompt, tools and the task
+    tokens = int(rng.integers(20_000, 40_000) * scale)  # system prompt, tools and the task
     context = ids.new(math.ceil(tokens / BLOCK))
     for turn in range(1, int(rng.integers(20, 50)) + 1):
         output = int(rng.integers(50, 800))
         yield context, tokens, output, f"agent-{s}", turn
         # The reply and a tool result join the history; the next turn resends all of it.
         full = tokens // BLOCK  # the partial last block is rewritten with the new tokens
-        tokens += output + int(rng.lognormal(8.9, 0.8))
+        tokens += int((output + rng.lognormal(8.9, 0.8)) * scale)
         context = context[:full] + ids.new(math.ceil(tokens / BLOCK) - full)
         if rng.random() < 0.08:  # a sub-agent forks from this prefix for a few turns
-            fork_tokens = tokens + int(rng.integers(500, 3_000))
+            fork_tokens = tokens + int(rng.integers(500, 3_000) * scale) + 1
             fork = context[: tokens // BLOCK] + ids.new(math.ceil(fork_tokens / BLOCK) - tokens // BLOCK)
             for k in range(int(rng.integers(1, 4))):
                 yield fork, fork_tokens, int(rng.integers(50, 400)), f"agent-{s}-sub", k + 1
 
 
-def _agentic(rng: np.random.Generator, ids: _Ids, qps: float) -> Iterator[TraceRequest]:
+def _agentic(rng: np.random.Generator, ids: _Ids, qps: float, scale: float) -> Iterator[TraceRequest]:
     clock = _arrivals(rng, qps)
     sessions = itertools.count()
-    live = [_agent_session(rng, ids, next(sessions)) for _ in range(2)]
+    live = [_agent_session(rng, ids, next(sessions), scale) for _ in range(2)]
     current = 0
     while True:
         if rng.random() > 0.85:  # now and then another session's turn comes in between
             current = int(rng.integers(0, len(live)))
         step = next(live[current], None)
         if step is None:
-            live[current] = _agent_session(rng, ids, next(sessions))
+            live[current] = _agent_session(rng, ids, next(sessions), scale)
             continue
         context, tokens, output, session, turn = step
         yield _request(next(clock), context, tokens, output, session, turn)
 
 
-def _chat(rng: np.random.Generator, ids: _Ids, qps: float) -> Iterator[TraceRequest]:
+def _chat(rng: np.random.Generator, ids: _Ids, qps: float, scale: float) -> Iterator[TraceRequest]:
     clock = _arrivals(rng, qps)
     system = ids.new(4)  # one shared 2K-token system prompt
     live: dict[int, tuple[list[int], int, int]] = {}  # session -> (context, tokens, turn)
@@ -103,7 +108,7 @@ def _chat(rng: np.random.Generator, ids: _Ids, qps: float) -> Iterator[TraceRequ
     while True:
         if len(live) < 32 or rng.random() < 0.2:
             s = next(sessions)
-            user = int(rng.integers(50, 600))
+            user = int(rng.integers(50, 600) * scale) + 1
             tokens = 4 * BLOCK + user
             live[s] = (system + ids.new(math.ceil(tokens / BLOCK) - 4), tokens, 1)
         s = int(rng.choice(list(live)))
@@ -118,7 +123,7 @@ def _chat(rng: np.random.Generator, ids: _Ids, qps: float) -> Iterator[TraceRequ
         live[s] = (context[:full] + ids.new(math.ceil(tokens / BLOCK) - full), tokens, turn + 1)
 
 
-def _api(rng: np.random.Generator, ids: _Ids, qps: float) -> Iterator[TraceRequest]:
+def _api(rng: np.random.Generator, ids: _Ids, qps: float, scale: float) -> Iterator[TraceRequest]:
     clock = _arrivals(rng, qps)
     templates = [ids.new(int(rng.integers(1, 5))) for _ in range(200)]
     weights = 1.0 / np.arange(1, len(templates) + 1) ** 1.1
@@ -126,7 +131,7 @@ def _api(rng: np.random.Generator, ids: _Ids, qps: float) -> Iterator[TraceReque
     history: list[list[int]] = []
     for n in itertools.count():
         template = templates[int(rng.choice(len(templates), p=weights))]
-        unique = int(rng.integers(2_000, 16_000))
+        unique = int(rng.integers(2_000, 16_000) * scale) + 1
         tokens = len(template) * BLOCK + unique
         context = template + ids.new(math.ceil(tokens / BLOCK) - len(template))
         if history and rng.random() < 0.05:  # the same document again, any time later: heavy-tailed reuse

@@ -1,0 +1,133 @@
+"""Locust replay of a trace at its recorded (scaled) times against an inference endpoint.
+
+Run by ``flatcake loadgen run`` (or ``locust -f`` this file with the options below). Each process
+replays its share of the trace (worker i of N takes requests i, i+N, ...); each request streams its
+response, and one JSON line per request goes to ``--results``. TTFT and end-to-end latency are also
+reported to Locust as request types ``TTFT`` and ``E2E``, so its CSVs and web UI show them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import gevent
+from locust import HttpUser, constant, events, task
+from locust.env import Environment
+from locust.runners import LocalRunner, WorkerRunner
+
+from flatcake.loadgen.replay import Item, Record, body, path, prompt_tokens, read_stream, schedule
+from flatcake.loadgen.traces import read_trace
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser: Any) -> None:
+    parser.add_argument("--trace", required=True, help="Mooncake or FlatCake JSONL trace")
+    parser.add_argument("--trace-limit", type=int, default=0, help="replay only the first N requests")
+    parser.add_argument("--qps", type=float, default=1.0, help="target arrival rate")
+    parser.add_argument("--api", choices=["openai", "sglang"], default="openai")
+    parser.add_argument("--max-output", type=int, default=16, help="cap on output tokens per request")
+    parser.add_argument("--results", default="results.jsonl", help="per-request JSON lines (one file per process)")
+    parser.add_argument("--system", default="unknown", help="name of the system under test, for the report")
+    parser.add_argument("--replay-workers", type=int, default=1, help="how many processes share the trace")
+
+
+class _Replay:
+    """The process's share of the schedule, handed out in order to whichever user is free."""
+
+    def __init__(self, env: Environment) -> None:
+        o = env.parsed_options
+        assert o is not None, "run under the locust command line, which parses the replay options"
+        reqs = list(read_trace(o.trace, o.trace_limit or None))
+        share = max(getattr(env.runner, "worker_index", 0), 0), max(o.replay_workers, 1)
+        self.items = [it for it in schedule(reqs, o.qps) if it.index % share[1] == share[0]]
+        self.next = 0
+        self.done = 0
+        self.quitting = False
+        self.start = time.perf_counter() + 0.5
+        out = Path(o.results)
+        if share[1] > 1:
+            out = out.with_name(f"{out.stem}.{share[0]}{out.suffix}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.out = open(out, "w", buffering=1)  # noqa: SIM115 - closed at test stop
+
+    def take(self) -> Item | None:
+        if self.next >= len(self.items):
+            return None
+        item = self.items[self.next]
+        self.next += 1
+        return item
+
+
+_replay: _Replay | None = None
+
+
+@events.test_start.add_listener
+def _start(environment: Environment, **_: Any) -> None:
+    global _replay
+    if isinstance(environment.runner, LocalRunner | WorkerRunner):
+        _replay = _Replay(environment)
+
+
+@events.test_stop.add_listener
+def _stop(environment: Environment, **_: Any) -> None:
+    if _replay is not None:
+        _replay.out.close()
+
+
+class TraceUser(HttpUser):
+    wait_time = constant(0)
+
+    @task
+    def replay(self) -> None:
+        r = _replay
+        if r is None:
+            gevent.sleep(0.1)
+            return
+        item = r.take()
+        if item is None:  # this process's share is sent: stop when the last answer is in
+            runner = self.environment.runner
+            if r.done == len(r.items) and isinstance(runner, LocalRunner) and not r.quitting:
+                r.quitting = True
+                gevent.spawn(runner.quit)  # not from this user's own greenlet, which quit() kills
+            gevent.sleep(0.2)
+            return
+        delay = r.start + item.at - time.perf_counter()
+        if delay > 0:
+            gevent.sleep(delay)
+        self._send(r, item)
+
+    def _send(self, r: _Replay, item: Item) -> None:
+        o = self.environment.parsed_options
+        assert o is not None
+        tokens = prompt_tokens(item.request)
+        n_out = max(1, min(item.request.output_length, o.max_output))
+        sent = time.perf_counter()
+        rec = Record(item.index, o.system, o.qps, item.at, sent - r.start, None, None, len(tokens), 0, 0, {}, False)
+        try:
+            with self.client.post(path(o.api), json=body(o.api, tokens, n_out), stream=True, catch_response=True,
+                                  name=path(o.api), timeout=600) as resp:  # fmt: skip
+                if resp.status_code != 200:
+                    resp.failure(f"HTTP {resp.status_code}")
+                    rec.error = f"HTTP {resp.status_code}"
+                else:
+                    ttft, chunks, usage = read_stream(o.api, resp.iter_lines(), sent)
+                    rec.ttft_s, rec.e2e_s = ttft, time.perf_counter() - sent
+                    rec.output_tokens = int(usage.get("output", chunks))
+                    rec.cached_tokens = int(usage.get("cached", 0))
+                    rec.hit_tokens = {k: int(v) for k, v in usage.get("hits", {}).items()}
+                    rec.ok = ttft is not None
+                    resp.success()
+        except Exception as exc:  # connection refused, timeout: recorded, the replay goes on
+            rec.error = f"{exc.__class__.__name__}: {exc}"
+        finally:
+            r.done += 1
+            r.out.write(rec.to_json() + "\n")
+        env = self.environment
+        if rec.ttft_s is not None:
+            env.events.request.fire(request_type="TTFT", name=o.system, response_time=rec.ttft_s * 1000,
+                                    response_length=rec.cached_tokens, exception=None, context={})  # fmt: skip
+        if rec.e2e_s is not None:
+            env.events.request.fire(request_type="E2E", name=o.system, response_time=rec.e2e_s * 1000,
+                                    response_length=rec.output_tokens, exception=None, context={})  # fmt: skip
