@@ -37,7 +37,7 @@ FLATCAKE = str(Path(sys.executable).parent / "flatcake")
 @dataclass(frozen=True)
 class E2EConfig:
     trace: str = str(BUNDLED)
-    requests: int = 150
+    requests: int = 50
     qps: tuple[float, ...] = (2.0, 4.0, 8.0)
     systems: tuple[str, ...] = ("flatcake", "tiered", "dram")
     max_output: int = 16
@@ -45,12 +45,12 @@ class E2EConfig:
     # The modelled GPU and memory sizes (see loadgen/emulator.py); sized so that the middle rate is
     # near the GPU's limit and the highest is past it, where queues (and tiered staging) fill.
     emulator: EmulatorConfig = field(
-        default_factory=lambda: EmulatorConfig(hbm_bytes=4 << 20, dram_bytes=8 << 20, ssd_bytes=1536 << 20,
-                                               staging_tokens=40_000, prefill_tokens_per_s=10_000.0)
+        default_factory=lambda: EmulatorConfig(hbm_bytes=2 << 20, dram_bytes=4 << 20, ssd_bytes=1536 << 20,
+                                               staging_tokens=40_000, prefill_tokens_per_s=5_000.0)
     )  # fmt: skip
 
 
-QUICK = E2EConfig(requests=80)
+QUICK = E2EConfig(requests=24, qps=(2.0, 8.0))
 
 
 def page_ideal(trace: str, limit: int, page_tokens: int) -> float:
@@ -151,7 +151,7 @@ def run_point(cfg: E2EConfig, system: str, qps: float, out: Path, work: Path) ->
 
 
 def run(cfg: E2EConfig, out: str | Path, log: Callable[[str], None] = print) -> dict[str, Any]:
-    out = Path(out)
+    out = Path(out).resolve()  # the processes it starts run in their own directories
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     stats = trace_stats.compute(read_trace(cfg.trace, cfg.requests), progress=False)

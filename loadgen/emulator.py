@@ -51,6 +51,7 @@ from flatcake.node_agent.scheduler import Request, Scheduler
 log = logging.getLogger(__name__)
 
 MODES = ("flatcake", "tiered", "dram", "none")
+EMULATOR: web.AppKey[Emulator] = web.AppKey("emulator")
 MiB = 1 << 20
 
 
@@ -480,7 +481,7 @@ def _max_tokens(value: Any) -> int:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI ``POST /v1/completions`` (token-id prompts; ``stream`` with server-sent events)."""
-    emu: Emulator = request.app["emulator"]
+    emu: Emulator = request.app[EMULATOR]
     body = await _body(request)
     tokens = _prompt(body.get("prompt"), "prompt")
     n = _max_tokens(body.get("max_tokens", 16))
@@ -521,7 +522,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     """SGLang-style ``POST /generate`` with ``input_ids`` and ``sampling_params.max_new_tokens``."""
-    emu: Emulator = request.app["emulator"]
+    emu: Emulator = request.app[EMULATOR]
     body = await _body(request)
     tokens = _prompt(body.get("input_ids"), "input_ids")
     n = _max_tokens((body.get("sampling_params") or {}).get("max_new_tokens", 16))
@@ -549,7 +550,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
-    emu: Emulator = request.app["emulator"]
+    emu: Emulator = request.app[EMULATOR]
     return web.Response(body=generate_latest(emu.registry), content_type="text/plain", charset="utf-8")
 
 
@@ -565,10 +566,10 @@ def make_app(cfg: EmulatorConfig) -> web.Application:
     app.router.add_get("/healthz", health)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        app["emulator"] = Emulator(cfg)
-        await app["emulator"].start()
+        app[EMULATOR] = Emulator(cfg)
+        await app[EMULATOR].start()
         yield
-        await app["emulator"].stop()
+        await app[EMULATOR].stop()
 
     app.cleanup_ctx.append(lifecycle)
     return app

@@ -15,6 +15,8 @@ from typing import Any
 
 import jinja2
 
+from flatcake.loadgen import plots
+
 MEDIA = ("hbm", "dram", "ssd")
 
 
@@ -59,11 +61,7 @@ def collect(runs_dir: str | Path) -> dict[str, Any]:
 
 
 def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     systems = report["systems"]
     names: list[str] = []
@@ -73,28 +71,19 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
         return [r["qps"] for r in runs], [r[key] * scale for r in runs]
 
     def save(fig: Any, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=110)
-        plt.close(fig)
-        names.append(name)
+        names.append(plots.save(fig, out_dir / name).name)
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for s in systems:
         axes[0].plot(*series(s, "ttft_mean_s"), marker="o", label=s)
         axes[1].plot(*series(s, "ttft_p50_s"), marker="o", label=s)
     for ax, title in zip(axes, ("mean TTFT", "median TTFT"), strict=True):
-        ax.set_xlabel("QPS")
-        ax.set_ylabel("seconds")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
+        plots.label(ax, "QPS", "seconds", title, legend=True)
     save(fig, "ttft.png")
     fig, ax = plt.subplots(figsize=(5, 4))
     for s in systems:
         ax.plot(*series(s, "throughput_tokens_per_s"), marker="o", label=s)
-    ax.set(xlabel="QPS", ylabel="tokens/s (prompt + output)", title="throughput")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    plots.label(ax, "QPS", "tokens/s (prompt + output)", "throughput", legend=True)
     save(fig, "throughput.png")
     fig, ax = plt.subplots(figsize=(5, 4))
     for s in systems:
@@ -102,9 +91,8 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
     ideal = report["meta"].get("ideal_hit_rate_pages")
     if ideal is not None:
         ax.axhline(ideal * 100, linestyle="--", color="gray", label="trace ideal (256-token pages)")
-    ax.set(xlabel="QPS", ylabel="delivered hit rate (%)", title="delivered hit rate", ylim=(0, 100))
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.set_ylim(0, 100)
+    plots.label(ax, "QPS", "delivered hit rate (%)", "delivered hit rate", legend=True)
     save(fig, "hit_rate.png")
     fig, ax = plt.subplots(figsize=(8, 4))
     labels, bottoms = [], None

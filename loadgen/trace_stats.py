@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from flatcake.loadgen import plots
 from flatcake.loadgen.traces import TraceRequest
 
 KEYS = (
@@ -93,27 +94,17 @@ def compute_with_data(
 
 def plot(per_block: np.ndarray, distances: np.ndarray, out_dir: str | Path, title: str) -> list[Path]:
     """Cumulative access share by block rank, and the reuse-distance distribution (Figure 2a)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = []
     fig, ax = plt.subplots(figsize=(6, 4))
     if len(per_block):
         share = np.cumsum(per_block) / per_block.sum()
         rank = np.arange(1, len(per_block) + 1) / len(per_block)
         ax.plot(rank * 100, share * 100)
-    ax.set_xlabel("blocks, most accessed first (%)")
-    ax.set_ylabel("cumulative share of accesses (%)")
-    ax.set_title(f"{title}: access concentration")
-    ax.grid(True, alpha=0.3)
-    paths.append(out / "access_share.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    plots.label(ax, "blocks, most accessed first (%)", "cumulative share of accesses (%)",
+                f"{title}: access concentration")  # fmt: skip
+    paths = [plots.save(fig, out / "access_share.png", dpi=120)]
     fig, ax = plt.subplots(figsize=(6, 4))
     if len(distances):
         d = np.sort(distances)
@@ -121,14 +112,8 @@ def plot(per_block: np.ndarray, distances: np.ndarray, out_dir: str | Path, titl
         ax.set_xscale("symlog")
         for q in (50, 90, 99):
             ax.axvline(np.percentile(d, q), linestyle=":", alpha=0.6)
-    ax.set_xlabel("reuse distance (intervening requests)")
-    ax.set_ylabel("repeat accesses (CDF, %)")
-    ax.set_title(f"{title}: reuse distance")
-    ax.grid(True, alpha=0.3)
-    paths.append(out / "reuse_distance.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    plots.label(ax, "reuse distance (intervening requests)", "repeat accesses (CDF, %)", f"{title}: reuse distance")
+    paths.append(plots.save(fig, out / "reuse_distance.png", dpi=120))
     return paths
 
 
