@@ -64,7 +64,8 @@ _SPECS = [
         "counter",
         ("system", "reason"),
         "",
-        "Prompt tokens recomputed: uncached, declined (staging full), failed (I/O).",
+        "Prompt tokens recomputed: uncached, declined (staging full), not_prefetched (on SSD but not prefetched "
+        "at admission: tiered), failed (I/O).",
     ),
     Spec("flatcake_prefetch_declined", "counter", ("system",), "", "SSD prefetches declined for lack of staging."),
     Spec("flatcake_prefetch_seconds", "histogram", ("system",), "seconds", "SSD prefetch time per request."),

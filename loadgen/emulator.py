@@ -29,8 +29,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,7 @@ class Outcome:
     prompt_tokens: int
     hit_pages: dict[str, int] = field(default_factory=lambda: {"hbm": 0, "dram": 0, "ssd": 0})
     declined_pages: int = 0
+    unprefetched_pages: int = 0
     failed_pages: int = 0
     queue: str = "dram_ready"
     arrival: float = 0.0
@@ -171,14 +172,14 @@ class Storage:
             return len(keys)
         return 0
 
-    def store(self, keys: list[str], parent: str | None, context_tokens: int, shared: bool) -> None:
+    def store(self, keys: list[str], parent: str | None, context_tokens: int, refcount: int) -> None:
         """Write-through of newly computed pages (in the background; not on the TTFT path)."""
         for lo in range(0, len(keys), self._kv.shape[1]):
             chunk = keys[lo : lo + self._kv.shape[1]]
             kv = aligned_empty((self.cfg.layers, len(chunk), self.cfg.page_bytes))  # contiguous, as put wants
             kv[...] = self._kv[:, : len(chunk)]
             if self.engine is not None:
-                hints = Hints(prefix_refcount=2 if shared else 1, turn=2 if parent else 1,
+                hints = Hints(prefix_refcount=refcount, turn=2 if parent else 1,
                               context_tokens=context_tokens, parent_key=parent)  # fmt: skip
                 try:
                     self.engine.put(chunk, kv, hints)
@@ -214,7 +215,9 @@ class Emulator:
         self.hbm: OrderedDict[str, None] = OrderedDict()
         self.pinned: dict[str, int] = {}  # prefetched pages waiting for their prefill: not evicted
         self.hbm_pages = max(1, cfg.hbm_bytes // cfg.page_span)
-        self.seen_roots: dict[str, int] = {}
+        # Write-time sharing signal: how many different continuations a page has had (a shared
+        # system prompt or a fork point has several; a session's own history has one).
+        self.children: dict[str | None, set[str]] = {}
         policy = cfg.scheduler if cfg.mode == "flatcake" else "fcfs"
         self.sched = Scheduler(policy)
         self.staging_tokens = 0
@@ -283,14 +286,27 @@ class Emulator:
     def _hbm_prefix(self, keys: list[str]) -> int:
         n = 0
         while n < len(keys) and keys[n] in self.hbm:
-            self.hbm.move_to_end(keys[n])
             n += 1
+        self._touch(keys[:n])
         return n
 
-    def _hbm_insert(self, keys: list[str]) -> None:
-        for key in keys:
+    def _touch(self, keys: list[str]) -> None:
+        # Deepest page first, so the prefix is the most recently used: eviction then takes the
+        # tails of prefixes first, as a radix-tree cache evicts leaves (a page never outlives its prefix).
+        for key in reversed(keys):
             self.hbm[key] = None
             self.hbm.move_to_end(key)
+
+    def _pin(self, keys: Sequence[str], delta: int) -> None:
+        for key in keys:
+            n = self.pinned.get(key, 0) + delta
+            if n > 0:
+                self.pinned[key] = n
+            else:
+                self.pinned.pop(key, None)
+
+    def _hbm_insert(self, keys: list[str]) -> None:
+        self._touch(keys)
         excess = len(self.hbm) - self.hbm_pages
         for key in list(itertools.islice(self.hbm, max(0, excess) + len(self.pinned))):
             if excess <= 0:
@@ -333,7 +349,7 @@ class Emulator:
                 got = await loop.run_in_executor(self._pool, self.storage.restore, job.ssd_keys)
                 for key in job.ssd_keys[:got]:
                     job.prefetched[key] = "ssd"
-                    self.pinned[key] = self.pinned.get(key, 0) + 1
+                self._pin(job.ssd_keys[:got], +1)
                 self._hbm_insert(job.ssd_keys[:got])
             else:
                 job.declined = len(job.ssd_keys)
@@ -361,45 +377,64 @@ class Emulator:
             out.prefill_start = time.monotonic()
             self.m["flatcake_queue_wait_seconds"].labels(cfg.mode, out.queue).observe(out.prefill_start - out.arrival)
             keys = job.keys
-            cached = self._hbm_prefix(keys)
             hits = out.hit_pages
-            for key in keys[:cached]:
-                hits[job.prefetched.get(key, "hbm")] += 1
-            # Whatever HBM lacks now: look it up again (pages stored since arrival count) and load it.
-            late = await loop.run_in_executor(self._pool, self.storage.media, keys[cached:])
-            if cfg.mode == "tiered" and "ssd" in late and not self._staging_reserve(len(late) - late.index("ssd")):
-                out.declined_pages += len(late) - late.index("ssd")
-                late = late[: late.index("ssd")]
-            elif cfg.mode == "tiered" and "ssd" in late:
-                job.staged += len(late) - late.index("ssd")
-            got = await loop.run_in_executor(self._pool, self.storage.restore, keys[cached : cached + len(late)])
-            for medium in late[:got]:
-                hits[medium] += 1
-            out.failed_pages = len(late) - got
-            cached += got
+            cached = 0
+            # Walk the prefix: pages in HBM (resident, or prefetched for this request), then pages
+            # looked up again in storage (stored since arrival count), then HBM again, and so on.
+            while True:
+                while cached < len(keys) and keys[cached] in self.hbm:
+                    hits[job.prefetched.get(keys[cached], "hbm")] += 1
+                    cached += 1
+                if cached == len(keys):
+                    break
+                late = await loop.run_in_executor(self._pool, self.storage.media, keys[cached:])
+                cut = cfg.mode == "tiered" and "ssd" in late
+                if cut:
+                    # A tiered cache reads L3 only through a prefetch started at admission; pages
+                    # that reached SSD since are recomputed. FlatCake restores them now,
+                    # layer-pipelined through its window.
+                    out.unprefetched_pages += len(late) - late.index("ssd")
+                    late = late[: late.index("ssd")]
+                got = await loop.run_in_executor(self._pool, self.storage.restore, keys[cached : cached + len(late)])
+                for medium in late[:got]:
+                    hits[medium] += 1
+                out.failed_pages += len(late) - got
+                cached += got
+                if cut or not late or got < len(late):
+                    break
+            self._touch(keys[:cached])
             out.declined_pages += job.declined
             miss_tokens = out.prompt_tokens - cached * cfg.page_tokens
             await asyncio.sleep(miss_tokens / cfg.prefill_tokens_per_s)
             if job.staged:
                 self._staging_release(job.staged)  # the prefix is on the GPU now
-            for key in job.prefetched:
-                self.pinned[key] -= 1
-                if not self.pinned[key]:
-                    del self.pinned[key]
+            self._pin(list(job.prefetched), -1)
             self._hbm_insert(keys)  # the whole prompt is in HBM after prefill
             new = keys[cached:]
             if new:
-                root = keys[0]
-                self.seen_roots[root] = self.seen_roots.get(root, 0) + 1
                 parent = keys[cached - 1] if cached else None
-                self._writer.submit(self._store, new, parent, out.prompt_tokens, self.seen_roots[root] > 1)
+                kids = self.children.setdefault(parent, set()) if parent else {new[0]}
+                kids.add(new[0])
+                # New pages stay in HBM until their write-back is done (HiCache evicts only backed-up
+                # pages), so a next turn arriving meanwhile still finds them.
+                self._pin(new, +1)
+                done = self._writer.submit(self._store, new, parent, out.prompt_tokens, len(kids))
+                done.add_done_callback(self._unpin_later(loop, new))
             out.first_token = time.monotonic()
             self._count(out, miss_tokens)
             job.done.set()
 
-    def _store(self, keys: list[str], parent: str | None, context_tokens: int, shared: bool) -> None:
+    def _unpin_later(self, loop: asyncio.AbstractEventLoop, keys: list[str]) -> Callable[[Future[None]], None]:
+        """A done-callback (run on the writer thread) that unpins ``keys`` on the event loop."""
+
+        def unpin(_: Future[None]) -> None:
+            loop.call_soon_threadsafe(self._pin, keys, -1)
+
+        return unpin
+
+    def _store(self, keys: list[str], parent: str | None, context_tokens: int, refcount: int) -> None:
         try:
-            self.storage.store(keys, parent, context_tokens, shared)
+            self.storage.store(keys, parent, context_tokens, refcount)
         except Exception:  # a background write must not die silently
             log.exception("storing %d pages failed", len(keys))
 
@@ -410,9 +445,11 @@ class Emulator:
         for medium, pages in out.hit_pages.items():
             self.m["flatcake_hit_tokens"].labels(mode, medium).inc(pages * pt)
         declined, failed = out.declined_pages * pt, max(0, out.failed_pages) * pt
+        late = out.unprefetched_pages * pt
         self.m["flatcake_miss_tokens"].labels(mode, "declined").inc(declined)
         self.m["flatcake_miss_tokens"].labels(mode, "failed").inc(failed)
-        self.m["flatcake_miss_tokens"].labels(mode, "uncached").inc(max(0, miss_tokens - declined - failed))
+        self.m["flatcake_miss_tokens"].labels(mode, "not_prefetched").inc(late)
+        self.m["flatcake_miss_tokens"].labels(mode, "uncached").inc(max(0, miss_tokens - declined - failed - late))
         self.m["flatcake_server_ttft_seconds"].labels(mode).observe(out.first_token - out.arrival)
 
     async def decode(self, n: int) -> AsyncIterator[int]:
