@@ -11,11 +11,12 @@ tokens at ``decode_tokens_per_s``. HBM is an LRU prefix cache of ``hbm_bytes``. 
 scaled for a 2-core test machine, not taken from a GPU: 100,000 prefill tokens/s (the order of an
 8B model's prefill on one H100) and 200 decode tokens/s.
 
-Hits are delivered hits: tokens whose KV is in HBM before prefill starts. In ``tiered`` mode a
-prefetch from SSD needs host staging for its tokens from prefetch start until its prefill starts
-(as SGLang HiCache holds host pages until they are loaded); when in-flight staging would exceed
-``staging_tokens`` the prefetch is declined and the prefix recomputed (the paper's revocation).
-FlatCake's window streams restores into HBM and waits instead.
+Hits are delivered hits: tokens whose KV is in HBM before prefill starts. In ``tiered`` mode SSD
+(L3) is read only by a prefetch started when the request is admitted, as SGLang HiCache does; it
+needs host staging for its tokens until the request's prefill starts, and when in-flight staging
+would exceed ``staging_tokens`` it is declined and the prefix recomputed (the paper's revocation);
+L3 pages found only at scheduling time are recomputed too. FlatCake restores whatever is on SSD when
+the request is scheduled, streaming into HBM through its bounded window, which waits instead.
 """
 
 from __future__ import annotations
