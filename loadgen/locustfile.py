@@ -16,7 +16,9 @@ import gevent
 from locust import HttpUser, constant, events, task
 from locust.env import Environment
 from locust.runners import LocalRunner, WorkerRunner
+from prometheus_client import CollectorRegistry, start_http_server
 
+from flatcake import metrics as M
 from flatcake.loadgen.replay import Item, Record, body, path, prompt_tokens, read_stream, schedule
 from flatcake.loadgen.traces import read_trace
 
@@ -31,6 +33,7 @@ def _options(parser: Any) -> None:
     parser.add_argument("--results", default="results.jsonl", help="per-request JSON lines (one file per process)")
     parser.add_argument("--system", default="unknown", help="name of the system under test, for the report")
     parser.add_argument("--replay-workers", type=int, default=1, help="how many processes share the trace")
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here (0: off)")
 
 
 class _Replay:
@@ -51,6 +54,7 @@ class _Replay:
             out = out.with_name(f"{out.stem}.{share[0]}{out.suffix}")
         out.parent.mkdir(parents=True, exist_ok=True)
         self.out = open(out, "w", buffering=1)  # noqa: SIM115 - closed at test stop
+        self.metrics = _Metrics(o.metrics_port + share[0]) if o.metrics_port else None
 
     def take(self) -> Item | None:
         if self.next >= len(self.items):
@@ -58,6 +62,24 @@ class _Replay:
         item = self.items[self.next]
         self.next += 1
         return item
+
+
+class _Metrics:
+    """The load generator's catalogue metrics, on their own port (one per process)."""
+
+    def __init__(self, port: int) -> None:
+        self.registry = CollectorRegistry()
+        self.ttft = M.histogram("flatcake_loadgen_ttft_seconds", self.registry)
+        self.e2e = M.histogram("flatcake_loadgen_e2e_seconds", self.registry)
+        self.requests = M.counter("flatcake_loadgen_requests", self.registry)
+        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+
+    def record(self, rec: Record) -> None:
+        self.requests.labels(rec.system, "ok" if rec.ok else "error").inc()
+        if rec.ttft_s is not None:
+            self.ttft.labels(rec.system).observe(rec.ttft_s)
+        if rec.e2e_s is not None:
+            self.e2e.labels(rec.system).observe(rec.e2e_s)
 
 
 _replay: _Replay | None = None
@@ -124,6 +146,8 @@ class TraceUser(HttpUser):
         finally:
             r.done += 1
             r.out.write(rec.to_json() + "\n")
+            if r.metrics is not None:
+                r.metrics.record(rec)
         env = self.environment
         if rec.ttft_s is not None:
             env.events.request.fire(request_type="TTFT", name=o.system, response_time=rec.ttft_s * 1000,
