@@ -154,10 +154,17 @@ STATS_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+IO_ERROR_KINDS = ("eio", "short_read", "write")
+
+
 def stats_families(counts: dict[str, int]) -> list[Metric]:
-    """Families for engine ``Stats`` counters (``io_errors_<kind>`` map to flatcake_io_errors)."""
+    """Families for engine ``Stats`` counters (``io_errors_<kind>`` map to flatcake_io_errors).
+
+    Every mapped counter is exported from the start, at 0 until it moves, so rates and alerts on
+    errors have a series to evaluate before the first error."""
     grouped: dict[str, list[tuple[tuple[str, ...], float]]] = {}
-    for key, value in counts.items():
+    defaults = dict.fromkeys(STATS_MAP, 0) | dict.fromkeys((f"io_errors_{k}" for k in IO_ERROR_KINDS), 0)
+    for key, value in (defaults | counts).items():
         if key in STATS_MAP:
             name, labels = STATS_MAP[key]
         elif key.startswith("io_errors_"):

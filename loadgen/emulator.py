@@ -237,6 +237,21 @@ class Emulator:
             ("flatcake_staging_tokens", M.gauge), ("flatcake_server_ttft_seconds", M.histogram),
         )}  # fmt: skip
         self.m: dict[str, Any] = m
+        # Series exist from the start (at 0), so dashboards and alerts see them before the first event.
+        per_system = (
+            "flatcake_requests",
+            "flatcake_prompt_tokens",
+            "flatcake_prefetch_declined",
+            "flatcake_prefetch_seconds",
+            "flatcake_staging_tokens",
+            "flatcake_server_ttft_seconds",
+        )
+        for name in per_system:
+            m[name].labels(cfg.mode)
+        for medium in ("hbm", "dram", "ssd"):
+            m["flatcake_hit_tokens"].labels(cfg.mode, medium)
+        for reason in ("uncached", "declined", "not_prefetched", "failed"):
+            m["flatcake_miss_tokens"].labels(cfg.mode, reason)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:

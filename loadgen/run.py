@@ -37,6 +37,7 @@ class LoadgenConfig:
     master_host: str = "127.0.0.1"
     workers: int = 1  # processes that share the trace (master: how many to expect)
     allow_remote: bool = False
+    metrics_port: int = 0  # serve the load generator's Prometheus metrics (worker i: port + i)
     margin_s: float = 120.0
 
 
@@ -61,6 +62,8 @@ def command(cfg: LoadgenConfig) -> list[str]:
            "--run-time", f"{int(span + cfg.margin_s)}s", "--stop-timeout", "60"]  # fmt: skip
     if cfg.limit:
         cmd += ["--trace-limit", str(cfg.limit)]
+    if cfg.metrics_port:
+        cmd += ["--metrics-port", str(cfg.metrics_port)]
     if cfg.role != "worker":
         cmd += ["-u", str(cfg.users), "-r", str(cfg.users)]
     if cfg.csv_prefix and cfg.role != "worker":

@@ -3,42 +3,21 @@ targets, the report and one small end-to-end run through Locust."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-from aiohttp import web
+from conftest import Server
 
 from flatcake.loadgen import e2e
 from flatcake.loadgen import report as R
-from flatcake.loadgen.emulator import EmulatorConfig, make_app, page_keys
+from flatcake.loadgen.emulator import EmulatorConfig, page_keys
 from flatcake.loadgen.replay import prompt_tokens, schedule
 from flatcake.loadgen.run import LoadgenConfig, check_loopback, command
 from flatcake.loadgen.traces import TraceRequest, read_trace
-
-
-class Server:
-    """The emulator app served on a loopback port from a background thread."""
-
-    def __init__(self, cfg: EmulatorConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(make_app(cfg))
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(params=["flatcake", "tiered"])
