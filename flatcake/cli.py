@@ -110,6 +110,20 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent_prepare(args: argparse.Namespace) -> int:
+    from flatcake.node_agent import prepare as P
+    from flatcake.node_agent.config import EngineConfig
+
+    config = EngineConfig.load(args.config)
+    steps = P.plan(config, P.probe(config))
+    if args.dry_run:
+        for step in steps:
+            print(step.describe())
+        return 0
+    P.apply(config, steps, log=lambda m: print(m, file=sys.stderr))
+    return 0
+
+
 def _agent_serve(args: argparse.Namespace) -> int:
     from flatcake.node_agent import agent
     from flatcake.node_agent.config import EngineConfig
@@ -203,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = agent.add_parser("serve", help="serve the storage engine's catalog to this node's clients")
     serve.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")
     serve.set_defaults(func=_agent_serve)
+    prep = agent.add_parser("prepare", help="hugepages, RAID-0, XFS, mount and the file pool (plan, then apply)")
+    prep.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")
+    prep.add_argument("--dry-run", action="store_true", dest="dry_run", help="print the plan, change nothing")
+    prep.set_defaults(func=_agent_prepare)
     return parser
 
 
@@ -213,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args))
-    except (ValueError, RuntimeError, OSError) as exc:
+    except (ValueError, RuntimeError, OSError) as exc:  # includes PrepareError
         print(f"flatcake: error: {exc}", file=sys.stderr)
         return 2
 

@@ -48,6 +48,19 @@ class IOConfig:
 
 
 @dataclass(frozen=True)
+class PrepareConfig:
+    """What `flatcake agent prepare` makes of a node before the agent starts."""
+
+    hugepage_size: str = "2Mi"  # 2Mi | 1Gi | none
+    hugepages: int = 0  # pages to have reserved; 0 derives them from dram.bytes
+    devices: tuple[str, ...] = ()  # NVMe devices for RAID-0 + XFS; empty: use ssd.dir as it is
+    mount: str = "/var/lib/flatcake"  # where the array (or device) is mounted; ssd.dir lives below it
+    raid_name: str = "flatcake"  # /dev/md/<name>
+    wipe: bool = False  # allow mkfs over an existing filesystem (destroys its data)
+    restart_kubelet: bool = False  # opt-in: restart the kubelet so it sees newly reserved hugepages
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     socket: str = "/run/flatcake/agent.sock"  # control socket, mode 0660
     metrics_host: str = "0.0.0.0"
@@ -68,6 +81,7 @@ class EngineConfig:
     io: IOConfig = field(default_factory=IOConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
 
     def __post_init__(self) -> None:
         _positive(self, "layers", "page_tokens")
@@ -106,6 +120,11 @@ class EngineConfig:
         if not 0 <= self.agent.metrics_port <= 65535:
             raise ValueError(f"agent.metrics_port: {self.agent.metrics_port} is not a TCP port (0 picks a free one)")
         _positive(self.agent, "journal_fsync_ms", prefix="agent.")
+        if self.prepare.hugepage_size not in ("2Mi", "1Gi", "none"):
+            raise ValueError(f"prepare.hugepage_size: {self.prepare.hugepage_size!r} must be 2Mi, 1Gi or none")
+        if self.prepare.devices and not Path(self.ssd.dir).is_relative_to(self.prepare.mount):
+            raise ValueError(f"ssd.dir: {self.ssd.dir} must lie under prepare.mount ({self.prepare.mount}) "
+                             "when prepare.devices are given")  # fmt: skip
         if self.io.backend not in ("auto", "posix", "kvikio"):
             raise ValueError(f"io.backend: {self.io.backend!r} must be 'auto', 'posix' or 'kvikio'")
 
@@ -170,5 +189,7 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
             return value
         if t in (str, bool) and type(value) is t:
             return value
+        if get_origin(t) is tuple and isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return tuple(value)
     names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
     raise ValueError(f"{where}: {value!r} is not of type {names}")
