@@ -8,14 +8,11 @@ request to decoding the reply.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,6 +23,7 @@ from typing import Any
 import msgpack
 
 from flatcake.node_agent import protocol as P
+from flatcake.node_agent.agent import spawn
 from flatcake.node_agent.catalog import LocalCatalog
 from flatcake.node_agent.client import AgentConnection
 from flatcake.node_agent.config import AgentConfig, DramConfig, EngineConfig, IOConfig, SsdConfig
@@ -130,7 +128,6 @@ def through_agent(socket_path: str, op: str, batch: int, clients: int, seconds: 
         raise RuntimeError(f"a benchmark client failed: {failed[0]}")
     lat = [x for r, _ in results for x in r]
     row = summarize(lat, seconds)
-    row["calls_per_s"] = len(lat) / seconds
     row["client_codec_ms"] = statistics.fmean(c for _, c in results) * 1e3
     return row
 
@@ -159,27 +156,10 @@ def in_process(op: str, batch: int, seconds: float, root: Path) -> dict[str, Any
     return summarize(lat, seconds)
 
 
-def start_agent(root: Path) -> subprocess.Popen[bytes]:
-    cfg = engine_config(root)
-    (root / "engine.json").write_text(json.dumps(cfg.to_dict()))
-    exe = Path(sys.executable).parent / "flatcake"
-    proc = subprocess.Popen([str(exe), "agent", "serve", "--config", str(root / "engine.json")], cwd=root,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            AgentConnection(cfg.agent.socket, timeout=5).close()
-            return proc
-        except ConnectionError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the agent did not start; run `flatcake agent serve` by hand to see why") from None
-            time.sleep(0.05)
-
-
 def run(cfg: AgentBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="flatcake-agent-bench-"))
     rows: list[dict[str, Any]] = []
-    agent = start_agent(root)
+    agent = spawn(engine_config(root), root)
     try:
         conn = AgentConnection(engine_config(root).agent.socket)
         conn.call("register")

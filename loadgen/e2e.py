@@ -28,6 +28,7 @@ from flatcake.loadgen.replay import prompt_tokens
 from flatcake.loadgen.run import LoadgenConfig
 from flatcake.loadgen.run import run as run_locust
 from flatcake.loadgen.traces import read_trace
+from flatcake.node_agent.agent import spawn
 from flatcake.node_agent.config import AgentConfig
 
 BUNDLED = Path(__file__).with_name("data") / "agentic_small.jsonl"
@@ -118,11 +119,8 @@ def run_point(cfg: E2EConfig, system: str, qps: float, out: Path, work: Path) ->
             sock = str(data / "agent.sock")
             agent_cfg = AgentConfig(socket=sock, metrics_host="127.0.0.1", metrics_port=0)
             engine = dataclasses.replace(engine_config(emu, data / "flatcake"), agent=agent_cfg)
-            (data / "engine.json").write_text(json.dumps(engine.to_dict()))
             logs.append(open(run_dir / "agent.log", "wb"))  # noqa: SIM115 - closed below
-            agent = subprocess.Popen([FLATCAKE, "agent", "serve", "--config", str(data / "engine.json")],
-                                     stdout=logs[-1], stderr=subprocess.STDOUT, cwd=data)  # fmt: skip
-            _wait(lambda: Path(sock).exists(), agent, "the node agent")
+            agent = spawn(engine, data, logs[-1])
             emu = dataclasses.replace(emu, agent_socket=sock)
         port = _free_port()
         args = [FLATCAKE, "emulate", "--mode", system, "--port", str(port), "--data-dir", str(data)]

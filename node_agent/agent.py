@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import operator
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -165,8 +168,7 @@ class Agent:
             return None
         if op == "stats":
             return self.snapshot()
-        raise P.ProtocolError(P.UNKNOWN_OP, f"op: {op!r} is not one of register, exists, lookup, allocate, "
-                              "publish, abort, acquire, release, report, stats")  # fmt: skip
+        raise P.ProtocolError(P.UNKNOWN_OP, f"op: {op!r} is not one of {', '.join(sorted(_OPS))}")
 
     def _register(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         c = self.config
@@ -381,6 +383,28 @@ class _AgentCollector(Collector):
         placements = a.catalog.placements.snapshot()
         yield M.family("flatcake_placements", [(tuple(k.split("/")), v) for k, v in placements.items()])
         yield from M.stats_families(dict(a.client_stats))
+
+
+def spawn(config: EngineConfig, workdir: Path, output: Any = subprocess.DEVNULL, timeout: float = 60) -> Any:
+    """Start ``flatcake agent serve`` as its own process (config written to ``workdir/engine.json``)
+    and return it once its socket answers."""
+    from flatcake.node_agent.client import AgentConnection
+
+    path = workdir / "engine.json"
+    path.write_text(json.dumps(config.to_dict()))
+    exe = Path(sys.executable).parent / "flatcake"
+    proc = subprocess.Popen([str(exe), "agent", "serve", "--config", str(path)], cwd=workdir, stdout=output,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            AgentConnection(config.agent.socket, timeout=5).close()
+            return proc
+        except ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the node agent did not start; run `flatcake agent serve` to see why") from None
+            time.sleep(0.05)
 
 
 def run(config: EngineConfig) -> None:

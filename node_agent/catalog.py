@@ -129,12 +129,7 @@ class LocalCatalog:
             self.table.abort(res)
             raise ValueError(f"checksums: {len(checksums)} given for {len(res.keys)} pages; allocation aborted")
         if self.journal is not None:  # durable before visible
-            s = res.scope
-            self.journal.append({
-                "t": "pub", "scope": s.id, "medium": int(s.medium), "keys": res.keys,
-                "gva": [loc.gva for loc in res.locations], "stride": [loc.layer_stride for loc in res.locations],
-                "files": s.files, "cursor": s.cursor, "slots": res.slots, "crc": list(checksums),
-            })  # fmt: skip
+            self.journal.append(_publish_record(res.scope, res.keys, res.locations, res.slots, checksums))
         self._crc.update(zip(res.keys, checksums, strict=True))
         self.table.publish(res)
         self.placements.add(res.decision, len(res.keys))
@@ -187,13 +182,20 @@ class LocalCatalog:
                 if not scope.keys:
                     continue
                 locs = [self.table.entries[k] for k in scope.keys]
-                out.append({
-                    "t": "pub", "scope": scope.id, "medium": int(scope.medium), "keys": scope.keys,
-                    "gva": [loc.gva for loc in locs], "stride": [loc.layer_stride for loc in locs],
-                    "files": scope.files, "cursor": scope.cursor, "slots": scope.slots,
-                    "crc": [self._crc.get(k, 0) for k in scope.keys],
-                })  # fmt: skip
+                crc = [self._crc.get(k, 0) for k in scope.keys]
+                out.append(_publish_record(scope, scope.keys, locs, scope.slots, crc))
         return out
+
+
+def _publish_record(
+    scope: Scope, keys: Sequence[Key], locs: Sequence[Location], slots: Sequence[int], crc: Sequence[int]
+) -> dict[str, Any]:
+    """The journal record of published pages (``recover`` reads it back)."""
+    return {
+        "t": "pub", "scope": scope.id, "medium": int(scope.medium), "keys": list(keys),
+        "gva": [loc.gva for loc in locs], "stride": [loc.layer_stride for loc in locs],
+        "files": scope.files, "cursor": scope.cursor, "slots": list(slots), "crc": list(crc),
+    }  # fmt: skip
 
 
 @dataclass
