@@ -124,11 +124,26 @@ def _agent_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent_reclaim(args: argparse.Namespace) -> int:
+    from flatcake.node_agent import prepare as P
+    from flatcake.node_agent.config import EngineConfig
+
+    P.reclaim(EngineConfig.load(args.config), log=lambda m: print(m, file=sys.stderr))
+    return 0
+
+
 def _agent_serve(args: argparse.Namespace) -> int:
     from flatcake.node_agent import agent
     from flatcake.node_agent.config import EngineConfig
 
     agent.run(EngineConfig.load(args.config))
+    return 0
+
+
+def _operator(args: argparse.Namespace) -> int:
+    from flatcake.operator import handlers
+
+    handlers.run(args.namespace, liveness=args.liveness)
     return 0
 
 
@@ -221,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")
     prep.add_argument("--dry-run", action="store_true", dest="dry_run", help="print the plan, change nothing")
     prep.set_defaults(func=_agent_prepare)
+    reclaim = agent.add_parser("reclaim", help="erase this node's pool and DRAM pool file (reclaimPolicy Delete)")
+    reclaim.add_argument("--config", required=True, help="engine configuration (JSON)")
+    reclaim.set_defaults(func=_agent_reclaim)
+    op = sub.add_parser("operator", help="the kopf operator: reconciles FlatCakeCache resources into node agents")
+    op.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeat); default all")
+    op.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL")
+    op.set_defaults(func=_operator)
     return parser
 
 

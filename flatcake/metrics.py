@@ -176,7 +176,7 @@ def stats_families(counts: dict[str, int]) -> list[Metric]:
 
 
 def markdown_table() -> str:
-    """The catalogue as the Markdown table in docs/metrics.md (regenerate with bin/gen-docs)."""
+    """The catalogue as the Markdown table in docs/metrics.md (regenerate with bin/generate)."""
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     rows += [f"| `{exposed_name(s)}` | {s.kind} | {', '.join(s.labels) or '-'} | {s.help} |" for s in _SPECS]
     return "\n".join(rows)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import operator
@@ -408,12 +409,30 @@ def spawn(config: EngineConfig, workdir: Path, output: Any = subprocess.DEVNULL,
 
 
 def run(config: EngineConfig) -> None:
-    """``flatcake agent serve``: recover, then serve until SIGTERM."""
+    """``flatcake agent serve``: (in a cluster: wait for this node's NodeID), recover, then serve until
+    SIGTERM, reporting a FlatCakeNode when the configuration names a cache."""
+    from flatcake.node_agent import node_report as R
+
+    node = R.node_name() if config.cluster.node_ids_dir or config.cluster.cache else ""
+    if config.cluster.node_ids_dir:
+        config = dataclasses.replace(config, node_id=R.resolve_node_id(config, node))
+        log.warning("flatcake agent: node %s has NodeID %d", node, config.node_id)
     agent = Agent(config)
+    reporter = None
     try:
         port = agent.start_http()
         log.warning("flatcake agent: socket %s, metrics http://%s:%d/metrics", config.agent.socket,
                     config.agent.metrics_host, port)  # fmt: skip
+        if config.cluster.cache:
+            from flatcake.kube import Kube
+
+            reporter = R.NodeReporter(config, node, config.node_id, agent.catalog.table.usage,
+                                      lambda: agent.ready, Kube.from_environment(R.USER_AGENT))  # fmt: skip
+            reporter.start()
         asyncio.run(agent.serve())
     finally:
+        if reporter is not None:
+            reporter.stop()
+            with contextlib.suppress(Exception):
+                reporter.report_once(ready=False)  # the operator sees the node go down at once
         agent.close()

@@ -25,6 +25,7 @@ class DramConfig:
     shm_dir: str = "/dev/shm"
     hugetlbfs_dir: str | None = None
     name: str = "flatcake-dram"
+    pinned: bool = True  # cudaHostRegister the pool when a GPU is usable (direct H2D copies)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,24 @@ class AgentConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """Handed to clients at registration: how they order restores (FC-MAS, or FCFS for ablation)."""
+
+    policy: str = "mas"  # mas | fcfs
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Set by the operator; all empty when the agent runs outside Kubernetes."""
+
+    cache: str = ""  # the FlatCakeCache served: the agent reports a FlatCakeNode for it
+    namespace: str = ""
+    cache_uid: str = ""  # owner of the FlatCakeNode (garbage-collected with the cache)
+    node_ids_dir: str = ""  # a ConfigMap volume with one file per node name holding its NodeID
+    report_interval_s: float = 10.0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     layers: int = 43
     page_bytes: int = 12 * 1024  # one page (of page_tokens tokens) of one layer, per rank
@@ -82,6 +101,8 @@ class EngineConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         _positive(self, "layers", "page_tokens")
@@ -125,6 +146,12 @@ class EngineConfig:
         if self.prepare.devices and not Path(self.ssd.dir).is_relative_to(self.prepare.mount):
             raise ValueError(f"ssd.dir: {self.ssd.dir} must lie under prepare.mount ({self.prepare.mount}) "
                              "when prepare.devices are given")  # fmt: skip
+        if self.scheduler.policy not in ("mas", "fcfs"):
+            raise ValueError(f"scheduler.policy: {self.scheduler.policy!r} must be 'mas' or 'fcfs'")
+        if self.cluster.cache and not self.cluster.namespace:
+            raise ValueError("cluster.namespace: required with cluster.cache (the FlatCakeCache's namespace)")
+        if self.cluster.report_interval_s <= 0:
+            raise ValueError(f"cluster.report_interval_s: {self.cluster.report_interval_s} must be > 0")
         if self.io.backend not in ("auto", "posix", "kvikio"):
             raise ValueError(f"io.backend: {self.io.backend!r} must be 'auto', 'posix' or 'kvikio'")
 

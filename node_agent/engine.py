@@ -103,7 +103,8 @@ class Engine:
         self._owns_dram = dram_path is None
         if c.dram.huge_pages and not self.dram.info.huge_pages:
             self.stats.add("dram_hugepage_fallback")
-        self.dram.register_with_cuda()
+        if c.dram.pinned:
+            self.dram.register_with_cuda()
         # The pool as [slot][layer][page_bytes]: a DRAM page keeps its layers back to back.
         self._dram3 = self.dram.view[: c.dram_slots * c.layers * c.page_bytes].reshape(
             c.dram_slots, c.layers, c.page_bytes

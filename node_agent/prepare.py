@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -73,8 +74,10 @@ def plan(c: EngineConfig, state: NodeState) -> list[Step]:
         steps.append(Step("hugepages", f"reserve {want} pages of {p.hugepage_size} for the DRAM pool "
                           f"({state.hugepages.get(p.hugepage_size, 0)} reserved now)", action="hugepages"))  # fmt: skip
         if p.restart_kubelet:
-            steps.append(Step("kubelet", "the kubelet reads hugepage capacity only at start",
-                              argv=("systemctl", "restart", "kubelet")))  # fmt: skip
+            # Through PID 1's mount namespace: from the agent's init container (hostPID, privileged)
+            # this reaches the host's systemd; on the host itself it is a plain systemctl.
+            restart = ("nsenter", "--target", "1", "--mount", "--", "systemctl", "restart", "kubelet")
+            steps.append(Step("kubelet", "the kubelet reads hugepage capacity only at start", argv=restart))
     if p.devices:
         missing = [d for d in p.devices if d not in state.existing_devices]
         if missing:
@@ -179,3 +182,25 @@ def _reserve_hugepages(c: EngineConfig) -> None:
     if got < want:
         raise PrepareError(f"hugepages: asked for {want} pages of {size}, the kernel reserved {got} (memory is "
                            "fragmented or short); reserve them at boot on the kernel command line")  # fmt: skip
+
+
+def reclaim(c: EngineConfig, log: Callable[[str], None] = print) -> list[str]:
+    """Erase this cache's data on the node (a FlatCakeCache deleted with reclaimPolicy Delete): the
+    pool directory (files, manifest, journal) and the shared DRAM pool file. The filesystem and array
+    stay; idempotent. Returns what was removed."""
+    removed = []
+    pool = Path(c.ssd.dir)
+    if pool.exists():
+        shutil.rmtree(pool)
+        removed.append(str(pool))
+    dram_dirs = [Path(c.dram.shm_dir)] + ([Path(c.dram.hugetlbfs_dir)] if c.dram.hugetlbfs_dir else [])
+    for d in dram_dirs:
+        path = d / c.dram.name
+        if path.exists():
+            path.unlink()
+            removed.append(str(path))
+    for what in removed:
+        log(f"reclaim: removed {what}")
+    if not removed:
+        log("reclaim: nothing to remove")
+    return removed

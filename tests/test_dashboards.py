@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_committed_dashboards_are_the_rendered_templates() -> None:
     for name in D.NAMES:
         committed = json.loads((D.ROOT / f"{name}.json").read_text())
-        assert committed == D.render(name), f"dashboards/{name}.json is stale: run bin/gen-docs"
+        assert committed == D.render(name), f"dashboards/{name}.json is stale: run bin/generate"
 
 
 def test_dashboards_name_only_catalogue_metrics_and_have_variables() -> None:

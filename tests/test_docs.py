@@ -13,7 +13,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 def test_the_metrics_page_holds_the_generated_catalogue() -> None:
     text = (DOCS / "metrics.md").read_text()
-    assert M.markdown_table() in text, "docs/metrics.md is stale: run bin/gen-docs"
+    assert M.markdown_table() in text, "docs/metrics.md is stale: run bin/generate"
     assert all(f"`{M.exposed_name(s)}`" in text for s in M.CATALOG.values())
 
 

@@ -1,0 +1,15 @@
+# The FlatCake image: operator, node agent (prepare, serve, reclaim) and benchmark tools, one command.
+FROM python:3.11-slim-bookworm
+# Node preparation runs these on the host's devices: mdadm (RAID-0), xfsprogs (mkfs.xfs),
+# util-linux (nsenter for the opt-in kubelet restart, fallocate), fio (the benchmark's limit).
+RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        mdadm xfsprogs util-linux fio \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /opt/flatcake
+COPY requirements/lock.txt requirements/lock.txt
+RUN pip install --no-cache-dir -r requirements/lock.txt
+COPY . .
+RUN pip install --no-cache-dir --no-deps . && rm -rf /opt/flatcake/tests
+ENV PYTHONSAFEPATH=1
+ENTRYPOINT []
+CMD ["flatcake", "--help"]

@@ -1,0 +1,194 @@
+"""kopf handlers: FlatCakeCache → node agents (DaemonSet, ConfigMaps, Service, ServiceMonitor, RBAC).
+
+Reconciliation is level-based and idempotent: every create, update, resume and periodic resync reads
+the cluster, renders what should exist (``render``), applies only differences, and writes the
+status aggregated from the FlatCakeNodes. Decisions (spec checks, destructive changes, NodeIDs,
+status) are the pure modules beside this one; here is only the I/O around them.
+
+Handlers are synchronous: kopf runs them in its thread pool, and the blocking ``kubernetes`` client
+keeps them simple."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from flatcake import kube as K
+from flatcake.operator import changes, nodeids, render
+from flatcake.operator.spec import GROUP, VERSION, CacheSpec, SpecError, check_node_count, check_node_fit, parse_spec
+from flatcake.operator.status import NodeReport, aggregate
+
+FINALIZER = "flatcake.io/finalizer"
+USER_AGENT = "flatcake-operator"
+RESYNC_SECONDS = float(os.environ.get("FLATCAKE_RESYNC_SECONDS", "60"))
+RECLAIM_POLL_SECONDS = float(os.environ.get("FLATCAKE_RECLAIM_POLL_SECONDS", "5"))
+CACHES = (GROUP, VERSION, "flatcakecaches")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="flatcake.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="flatcake.io")
+    if getattr(memo, "kube", None) is None:  # tests hand in a client for their API server
+        memo.kube = K.Kube.from_environment(USER_AGENT)
+    if getattr(memo, "agent_cluster_role", None) is None:
+        memo.agent_cluster_role = os.environ.get("FLATCAKE_AGENT_CLUSTER_ROLE", "flatcake-agent")
+
+
+def _selected_nodes(kube: K.Kube, spec: CacheSpec) -> list[dict[str, Any]]:
+    nodes = kube.list(K.NODES, selector=spec.node_selector)
+    return [n for n in nodes if not n.get("spec", {}).get("unschedulable", False)]
+
+
+def _reports(kube: K.Kube, namespace: str, name: str) -> list[dict[str, Any]]:
+    return [o for o in kube.list(K.FLATCAKE_NODES, namespace, selector={"flatcake.io/cache": name})
+            if o.get("spec", {}).get("cache") == name]  # fmt: skip
+
+
+def _deployed_config(kube: K.Kube, cache: render.Cache) -> dict[str, Any] | None:
+    cm = kube.get(K.CONFIG_MAPS, cache.namespace, render.names(cache)["config"])
+    if cm is None:
+        return None
+    deployed: dict[str, Any] = json.loads(cm.get("data", {}).get(render.CONFIG_KEY, "{}"))
+    return deployed
+
+
+def _write_node_ids(kube: K.Kube, cache: render.Cache, before: dict[str, int], ids: dict[str, int]) -> None:
+    body = render.node_ids_map(cache, ids)
+    name = body["metadata"]["name"]
+    if kube.get(K.CONFIG_MAPS, cache.namespace, name) is None:
+        kube.create(K.CONFIG_MAPS, body)
+    elif before != ids:
+        removed: dict[str, Any] = {node: None for node in before.keys() - ids.keys()}  # merge-patch deletes
+        kube.patch(K.CONFIG_MAPS, cache.namespace, name, {"data": {**removed, **body["data"]}})
+
+
+def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: Any) -> dict[str, Any]:
+    """One full pass for one cache; returns the new status. Spec problems do not raise: they leave
+    what is deployed untouched and come back as a Degraded status (and a Warning event)."""
+    meta = body["metadata"]
+    cache = render.Cache(meta["name"], meta["namespace"], meta.get("uid", ""))
+    problem = ""
+    selected: list[str] = []
+    reports = _reports(kube, cache.namespace, cache.name)
+    try:
+        spec = parse_spec(dict(body.get("spec", {})))
+        nodes = _selected_nodes(kube, spec)
+        selected = sorted(n["metadata"]["name"] for n in nodes)
+        check_node_count(len(selected))
+        device_bytes = {r["spec"]["nodeName"]: r.get("status", {}).get("deviceBytes") for r in reports}
+        for node in nodes:
+            name = node["metadata"]["name"]
+            check_node_fit(spec, name, node.get("status", {}).get("allocatable", {}), device_bytes.get(name))
+        wanted = render.engine_config(spec, cache, wipe=spec.wipe_policy == "Wipe")
+        deployed = _deployed_config(kube, cache)
+        if deployed is not None and spec.wipe_policy != "Wipe":
+            reasons = changes.destructive_changes(deployed, wanted)
+            if reasons:
+                field, why = reasons[0].split(": ", 1)
+                raise SpecError(field, f"{why}; this destroys the KV stored on every node. Revert the change, "
+                                       "or set spec.wipePolicy: Wipe to allow it")  # fmt: skip
+        ids_map = kube.get(K.CONFIG_MAPS, cache.namespace, render.names(cache)["node_ids"])
+        before = nodeids.parse({k: v for k, v in (ids_map or {}).get("data", {}).items() if v is not None})
+        holding = [r.node for r in map(NodeReport.from_object, reports) if r.holds_data]
+        ids = nodeids.assign(before, selected, holding)
+        _write_node_ids(kube, cache, before, ids)
+        objects = [render.service_account(cache), render.role_binding(cache, agent_cluster_role),
+                   render.config_map(cache, wanted), render.daemon_set(spec, cache, wanted),
+                   render.service(spec, cache)]  # fmt: skip
+        if spec.service_monitor and kube.has_resource(K.SERVICE_MONITORS):
+            objects.append(render.service_monitor(spec, cache))
+        for obj in objects:
+            outcome = K.apply(kube, obj)
+            if outcome != "unchanged":
+                logger.info("%s %s %s", outcome, obj["kind"], obj["metadata"]["name"])
+    except SpecError as exc:
+        problem = str(exc)
+        logger.error("not deployed: %s", problem)
+        kopf.warn(body, reason="InvalidSpec", message=problem)
+    return aggregate(
+        selected=selected, reports=[NodeReport.from_object(r) for r in reports], problem=problem,
+        generation=int(meta.get("generation", 0)), previous=dict(body.get("status", {})), now=_now(),
+    )  # fmt: skip
+
+
+@kopf.on.resume(*CACHES)
+@kopf.on.create(*CACHES)
+@kopf.on.update(*CACHES)
+def cache_changed(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, logger: Any, **_: Any) -> None:
+    patch.status.update(reconcile(memo.kube, body, memo.agent_cluster_role, logger))
+
+
+@kopf.timer(*CACHES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, idle=RESYNC_SECONDS / 2)
+def cache_resync(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, logger: Any, **_: Any) -> None:
+    """Nodes joining or leaving the selector change nothing in the cache itself: resync periodically."""
+    patch.status.update(reconcile(memo.kube, body, memo.agent_cluster_role, logger))
+
+
+@kopf.on.event(GROUP, VERSION, "flatcakenodes")
+def node_reported(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    """An agent wrote its FlatCakeNode: refresh the owning cache's status at once."""
+    kube: K.Kube = memo.kube
+    namespace, cache_name = body["metadata"].get("namespace"), body.get("spec", {}).get("cache")
+    if not cache_name:
+        return
+    cache = kube.get(K.CACHES, namespace, cache_name)
+    if cache is None or cache["metadata"].get("deletionTimestamp"):
+        return
+    previous = cache.get("status", {})
+    try:
+        selected = sorted(n["metadata"]["name"] for n in _selected_nodes(kube, parse_spec(cache.get("spec", {}))))
+    except SpecError:
+        return  # the cache handler reports this one
+    reports = [NodeReport.from_object(r) for r in _reports(kube, namespace, cache_name)]
+    status = aggregate(selected=selected, reports=reports, problem=previous.get("problem", ""),
+                       generation=previous.get("observedGeneration", 0), previous=previous, now=_now())  # fmt: skip
+    if any(status.get(k) != previous.get(k) for k in ("phase", "readyNodes", "nodes", "dram", "ssd")):
+        kube.patch(K.CACHES, namespace, cache_name, {"status": status}, subresource="status")
+
+
+@kopf.on.delete(*CACHES)
+def cache_deleted(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    """Finalizer. Retain: the owned objects go with the cache (owner references), the nodes' pools and
+    the NodeID map stay for a cache recreated under the same name. Delete: a reclaim DaemonSet erases
+    every node's pool first; the finalizer is released only when all its pods report done."""
+    kube: K.Kube = memo.kube
+    meta = body["metadata"]
+    cache = render.Cache(meta["name"], meta["namespace"], meta.get("uid", ""))
+    n = render.names(cache)
+    try:
+        spec = parse_spec(dict(body.get("spec", {})))
+    except SpecError as exc:
+        logger.error("cannot reclaim with an invalid spec (%s); releasing the cache, node data is kept", exc)
+        return
+    if spec.reclaim_policy != "Delete":
+        logger.info("reclaimPolicy Retain: node pools and NodeIDs (ConfigMap %s) are kept", n["node_ids"])
+        return
+    K.apply(kube, render.reclaim_daemon_set(spec, cache))
+    ds = kube.get(K.DAEMON_SETS, cache.namespace, n["reclaim"]) or {}
+    status = ds.get("status", {})
+    desired, ready = status.get("desiredNumberScheduled"), status.get("numberReady", 0)
+    if desired is None or ready < desired:
+        raise kopf.TemporaryError(f"reclaim: {ready}/{desired if desired is not None else '?'} nodes erased",
+                                  delay=RECLAIM_POLL_SECONDS)  # fmt: skip
+    kube.delete(K.DAEMON_SETS, cache.namespace, n["reclaim"])
+    kube.delete(K.CONFIG_MAPS, cache.namespace, n["node_ids"])
+    for report in _reports(kube, cache.namespace, cache.name):
+        kube.delete(K.FLATCAKE_NODES, cache.namespace, report["metadata"]["name"])
+    logger.info("reclaimPolicy Delete: pools erased on %d nodes", desired)
+
+
+def run(namespaces: list[str], liveness: str | None = None) -> None:
+    """``flatcake operator``: watch the given namespaces, or all of them when none are given."""
+    logging.basicConfig(level=logging.INFO)
+    kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=True, liveness_endpoint=liveness)

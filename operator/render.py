@@ -1,0 +1,340 @@
+"""Everything the operator creates for one FlatCakeCache, as plain manifests (pure: no API calls).
+
+``engine_config`` is the one function that turns a spec into the engine configuration; the agent
+reads exactly that JSON from the ConfigMap (``EngineConfig.from_dict``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from flatcake.operator.spec import GROUP, VERSION, CacheSpec
+
+CONFIG_KEY = "engine.json"
+CONFIG_DIR = "/etc/flatcake"
+NODE_IDS_DIR = "/etc/flatcake/node-ids"
+RUN_ROOT = "/run/flatcake"  # host directory shared with inference pods: socket and DRAM pool file
+DEVICE_MOUNT_ROOT = "/var/lib/flatcake"  # where prepared arrays are mounted, one folder per cache
+HUGETLBFS = {"2Mi": "/dev/hugepages", "1Gi": "/dev/hugepages1G"}
+AGENT_MEMORY_BYTES = 512 << 20  # the agent's own heap: index, journal buffers, HTTP
+
+
+@dataclass(frozen=True)
+class Cache:
+    """The identity of the FlatCakeCache being rendered."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @property
+    def instance(self) -> str:
+        """Host paths are shared by every cache on a node, so they carry namespace and name."""
+        return f"{self.namespace}.{self.name}"
+
+    def owner_reference(self) -> dict[str, Any]:
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "FlatCakeCache", "name": self.name,
+                "uid": self.uid, "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+
+
+def names(cache: Cache) -> dict[str, str]:
+    base = cache.name
+    return {
+        "daemonset": f"{base}-agent",
+        "config": f"{base}-config",
+        "node_ids": f"{base}-node-ids",
+        "service": f"{base}-metrics",
+        "service_monitor": base,
+        "service_account": f"{base}-agent",
+        "role_binding": f"{base}-agent",
+        "reclaim": f"{base}-reclaim",
+    }
+
+
+def labels(cache: Cache, component: str = "agent") -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "flatcake",
+        "app.kubernetes.io/instance": cache.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "flatcake-operator",
+        "flatcake.io/cache": cache.name,
+    }
+
+
+def pool_root(spec: CacheSpec, cache: Cache) -> str:
+    """The host directory holding this cache's pool: a mounted array, or below the given directory."""
+    if spec.devices:
+        return f"{DEVICE_MOUNT_ROOT}/{cache.instance}"
+    assert spec.directory is not None
+    return f"{spec.directory.rstrip('/')}/{cache.instance}"
+
+
+def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str, Any]:
+    """The engine configuration for every agent of this cache (NodeIDs come from the NodeID map)."""
+    run_dir = f"{RUN_ROOT}/{cache.instance}"
+    huge = spec.hugepage_size != "none"
+    root = pool_root(spec, cache)
+    return {
+        "layers": spec.layers,
+        "page_bytes": spec.page_bytes,
+        "page_tokens": spec.page_tokens,
+        "node_id": 0,
+        "dram": {
+            "bytes": spec.dram_bytes,
+            "huge_pages": huge,
+            "shm_dir": run_dir,
+            "hugetlbfs_dir": HUGETLBFS.get(spec.hugepage_size),
+            "name": f"flatcake-{cache.instance}",
+            "pinned": spec.pinned,
+        },
+        "ssd": {
+            "dir": f"{root}/pool",
+            "file_bytes": spec.file_bytes,
+            "file_count": spec.file_count,
+            # On XFS over prepared devices every file must be one extent; a given directory may
+            # sit on any filesystem, where a fragmented file is only warned about.
+            "extent_policy": "refuse" if spec.devices else "warn",
+            "high_watermark": spec.high_watermark,
+            "low_watermark": spec.low_watermark,
+        },
+        "io": {
+            "backend": spec.io_backend,
+            "workers": spec.io_workers,
+            "gap_bytes": spec.gap_bytes,
+            "staging_layers": spec.staging_layers,
+            "staging_slot_bytes": spec.staging_slot_bytes,
+            "streams": spec.streams,
+        },
+        "placement": {
+            "agent_context_tokens": spec.agent_context_tokens,
+            "agent_reply_tokens": spec.agent_reply_tokens,
+            "short_reply_tokens": spec.short_reply_tokens,
+        },
+        "agent": {
+            "socket": f"{run_dir}/agent.sock",
+            "metrics_host": "0.0.0.0",
+            "metrics_port": spec.metrics_port,
+            "journal_fsync": "interval",
+            "journal_fsync_ms": 100,
+            "verify_on_recovery": True,
+        },
+        "prepare": {
+            "hugepage_size": spec.hugepage_size,
+            "hugepages": 0,
+            "devices": list(spec.devices),
+            "mount": root,
+            "raid_name": f"flatcake-{cache.name}"[:32],
+            "wipe": wipe,
+            "restart_kubelet": spec.restart_kubelet,
+        },
+        "scheduler": {"policy": spec.scheduler},
+        "cluster": {
+            "cache": cache.name,
+            "namespace": cache.namespace,
+            "cache_uid": cache.uid,
+            "node_ids_dir": NODE_IDS_DIR,
+            "report_interval_s": 10.0,
+        },
+    }
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _meta(cache: Cache, name: str, component: str = "agent") -> dict[str, Any]:
+    return {"name": name, "namespace": cache.namespace, "labels": labels(cache, component),
+            "ownerReferences": [cache.owner_reference()]}  # fmt: skip
+
+
+def config_map(cache: Cache, config: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(cache, names(cache)["config"]),
+            "data": {CONFIG_KEY: json.dumps(config, indent=2, sort_keys=True)}}  # fmt: skip
+
+
+def node_ids_map(cache: Cache, ids: dict[str, int]) -> dict[str, Any]:
+    """NodeIDs live in their own ConfigMap with no owner: under reclaimPolicy Retain they outlive the
+    cache, so a cache recreated with the same name finds its nodes' data under the same IDs."""
+    meta = _meta(cache, names(cache)["node_ids"])
+    del meta["ownerReferences"]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "data": {node: str(i) for node, i in sorted(ids.items())}}  # fmt: skip
+
+
+def _host_volumes(spec: CacheSpec, cache: Cache) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": names(cache)["config"]}},
+        {"name": "node-ids", "configMap": {"name": names(cache)["node_ids"], "optional": True}},
+        {"name": "run", "hostPath": {"path": f"{RUN_ROOT}/{cache.instance}", "type": "DirectoryOrCreate"}},
+        {"name": "pool", "hostPath": {"path": pool_root(spec, cache), "type": "DirectoryOrCreate"}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "node-ids", "mountPath": NODE_IDS_DIR, "readOnly": True},
+        {"name": "run", "mountPath": f"{RUN_ROOT}/{cache.instance}"},
+        {"name": "pool", "mountPath": pool_root(spec, cache), "mountPropagation": "HostToContainer"},
+    ]
+    if spec.hugepage_size in HUGETLBFS:
+        path = HUGETLBFS[spec.hugepage_size]
+        volumes.append({"name": "hugepages", "hostPath": {"path": path, "type": "Directory"}})
+        mounts.append({"name": "hugepages", "mountPath": path})
+    return volumes, mounts
+
+
+def _agent_resources(spec: CacheSpec) -> dict[str, Any]:
+    memory = AGENT_MEMORY_BYTES
+    resources: dict[str, str] = {}
+    if spec.hugepage_size in HUGETLBFS and spec.dram_bytes:
+        resources[f"hugepages-{spec.hugepage_size}"] = str(spec.dram_bytes)
+    else:
+        memory += spec.dram_bytes  # the pool is tmpfs, charged to the agent's memory cgroup
+    resources["memory"] = str(memory)
+    return {"requests": {"cpu": "500m", **resources}, "limits": resources}
+
+
+def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[str, Any]:
+    """Node agents: a privileged init container prepares the node, the agent itself runs with
+    IPC_LOCK (to lock the pinned pool) and no other capability."""
+    n = names(cache)
+    volumes, mounts = _host_volumes(spec, cache)
+    command = ["flatcake", "agent"]
+    config_arg = ["--config", f"{CONFIG_DIR}/{CONFIG_KEY}"]
+    prepare_mounts = [dict(m) for m in mounts]
+    for m in prepare_mounts:
+        if m["name"] == "pool":
+            m["mountPropagation"] = "Bidirectional"  # the mount it makes must be visible to the host
+    prepare_mounts += [{"name": "dev", "mountPath": "/dev"}, {"name": "sys", "mountPath": "/sys"}]
+    node_env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    pod_labels = labels(cache)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _meta(cache, n["daemonset"]),
+        "spec": {
+            "selector": {"matchLabels": {"flatcake.io/cache": cache.name, "app.kubernetes.io/component": "agent"}},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": {"flatcake.io/config-hash": config_hash(config)}},
+                "spec": {
+                    "serviceAccountName": n["service_account"],
+                    "nodeSelector": spec.node_selector,
+                    "tolerations": spec.tolerations,
+                    "hostPID": spec.restart_kubelet,  # only to reach the host's systemd for the kubelet
+                    "terminationGracePeriodSeconds": 30,
+                    "initContainers": [
+                        {
+                            "name": "prepare",
+                            "image": spec.image,
+                            "imagePullPolicy": spec.image_pull_policy,
+                            "command": [*command, "prepare", *config_arg],
+                            "env": node_env,
+                            "securityContext": {"privileged": True},
+                            "volumeMounts": prepare_mounts,
+                        }
+                    ],
+                    "containers": [
+                        {
+                            "name": "agent",
+                            "image": spec.image,
+                            "imagePullPolicy": spec.image_pull_policy,
+                            "command": [*command, "serve", *config_arg],
+                            "env": node_env,
+                            "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
+                            "resources": _agent_resources(spec),
+                            "securityContext": {
+                                "privileged": False,
+                                "allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+                            },
+                            "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}, "periodSeconds": 5},
+                            "livenessProbe": {
+                                "httpGet": {"path": "/healthz", "port": "metrics"},
+                                "periodSeconds": 10,
+                                "failureThreshold": 6,
+                            },
+                            "volumeMounts": mounts,
+                        }
+                    ],
+                    "volumes": [
+                        *volumes,
+                        {"name": "dev", "hostPath": {"path": "/dev"}},
+                        {"name": "sys", "hostPath": {"path": "/sys"}},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def reclaim_daemon_set(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
+    """Erases this cache's pool and DRAM pool file on every node (reclaimPolicy Delete); each pod turns
+    ready once its node is clean, and the operator removes the DaemonSet when all are."""
+    volumes, mounts = _host_volumes(spec, cache)
+    ds = daemon_set(spec, cache, {})
+    pod = ds["spec"]["template"]["spec"]
+    pod["initContainers"] = []
+    pod["hostPID"] = False
+    pod["volumes"] = volumes
+    container = pod["containers"][0]
+    container.update({
+        "name": "reclaim",
+        "command": ["sh", "-c", f"flatcake agent reclaim --config {CONFIG_DIR}/{CONFIG_KEY} "
+                                "&& touch /tmp/reclaimed && exec sleep infinity"],
+        "readinessProbe": {"exec": {"command": ["test", "-e", "/tmp/reclaimed"]}, "periodSeconds": 2},
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
+        "volumeMounts": mounts,
+        "ports": [],
+    })  # fmt: skip
+    del container["livenessProbe"]
+    ds["metadata"] = _meta(cache, names(cache)["reclaim"], "reclaim")
+    del ds["metadata"]["ownerReferences"]  # it runs while the cache is being deleted
+    ds["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] = "reclaim"
+    ds["spec"]["template"]["metadata"] = {"labels": labels(cache, "reclaim")}
+    return ds
+
+
+def service(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
+    """Headless: Prometheus scrapes every agent, not one behind a virtual IP."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(cache, names(cache)["service"]),
+        "spec": {
+            "clusterIP": "None",
+            "selector": {"flatcake.io/cache": cache.name, "app.kubernetes.io/component": "agent"},
+            "ports": [{"name": "metrics", "port": spec.metrics_port, "targetPort": "metrics", "protocol": "TCP"}],
+        },
+    }
+
+
+def service_monitor(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
+    meta = _meta(cache, names(cache)["service_monitor"])
+    meta["labels"] = {**meta["labels"], **spec.service_monitor_labels}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": meta,
+        "spec": {
+            "selector": {"matchLabels": {"flatcake.io/cache": cache.name, "app.kubernetes.io/component": "agent"}},
+            "namespaceSelector": {"matchNames": [cache.namespace]},
+            "endpoints": [{"port": "metrics", "path": "/metrics", "interval": spec.service_monitor_interval}],
+        },
+    }
+
+
+def service_account(cache: Cache) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(cache, names(cache)["service_account"])}
+
+
+def role_binding(cache: Cache, agent_cluster_role: str) -> dict[str, Any]:
+    """Binds the agents' account to the chart's agent ClusterRole (write their FlatCakeNodes), in the
+    cache's namespace only."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(cache, names(cache)["role_binding"]),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": agent_cluster_role},
+        "subjects": [{"kind": "ServiceAccount", "name": names(cache)["service_account"], "namespace": cache.namespace}],
+    }

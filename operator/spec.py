@@ -1,0 +1,201 @@
+"""A FlatCakeCache spec as typed data, and the checks its OpenAPI schema cannot express.
+
+The API server applies the CRD's defaults and types before the operator sees a spec, so parsing here
+only converts; a field that is missing anyway (an API server without structural defaulting, or a
+hand-edited object) is reported by its path rather than with a KeyError."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from flatcake.node_agent.gva import MAX_NODE_ID
+
+GROUP = "flatcake.io"
+VERSION = "v1alpha1"
+_UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
+
+
+class SpecError(ValueError):
+    """A spec the operator will not deploy: names the field and says what to do."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def parse_quantity(value: str, field: str) -> int:
+    """Binary-suffixed sizes as the CRD admits them ("64Gi"); the field is named on error."""
+    match = _QUANTITY.match(str(value))
+    if not match:
+        raise SpecError(field, f"{value!r} is not a size; write it like 64Gi (suffixes Ki, Mi, Gi, Ti)")
+    return int(match.group(1)) * _UNITS[match.group(2) or ""]
+
+
+def format_bytes(n: int) -> str:
+    """The largest binary unit that keeps one decimal, for printer columns ("1.5Ti")."""
+    for unit in ("Ti", "Gi", "Mi", "Ki"):
+        if n >= _UNITS[unit]:
+            value = n / _UNITS[unit]
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    image: str
+    image_pull_policy: str
+    node_selector: dict[str, str]
+    tolerations: list[dict[str, Any]]
+    layers: int
+    page_bytes: int
+    page_tokens: int
+    dram_bytes: int
+    hugepage_size: str
+    pinned: bool
+    devices: tuple[str, ...]
+    directory: str | None
+    file_bytes: int
+    file_count: int
+    high_watermark: float
+    low_watermark: float
+    agent_context_tokens: int
+    agent_reply_tokens: int
+    short_reply_tokens: int
+    io_backend: str
+    gap_bytes: int
+    io_workers: int
+    staging_layers: int
+    staging_slot_bytes: int
+    streams: int
+    scheduler: str
+    metrics_port: int
+    service_monitor: bool
+    service_monitor_labels: dict[str, str]
+    service_monitor_interval: str
+    restart_kubelet: bool
+    reclaim_policy: str
+    wipe_policy: str
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.file_bytes * self.file_count
+
+
+class _Reader:
+    """Reads dotted paths of the spec, naming the full path of anything missing or mistyped."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+
+    def get(self, path: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+        node: Any = self.spec
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                if default is not ...:
+                    return default
+                raise SpecError(f"spec.{path}", "is required (install the CRD from crds/ so defaults apply)")
+            node = node[part]
+        if kind is float and isinstance(node, int) and not isinstance(node, bool):
+            node = float(node)
+        if not isinstance(node, kind) or (kind is int and isinstance(node, bool)):
+            raise SpecError(f"spec.{path}", f"{node!r} has the wrong type")
+        return node
+
+
+def parse_spec(spec: dict[str, Any]) -> CacheSpec:
+    """The typed spec; raises SpecError for what the schema admits but FlatCake cannot run."""
+    r = _Reader(spec)
+    devices = tuple(r.get("ssd.devices", list, []))
+    directory = r.get("ssd.directory", str, None)
+    if bool(devices) == (directory is not None):
+        raise SpecError("spec.ssd", "set exactly one of devices (NVMe to format) and directory (an existing path)")
+    parsed = CacheSpec(
+        image=r.get("image", str),
+        image_pull_policy=r.get("imagePullPolicy", str, "IfNotPresent"),
+        node_selector=dict(r.get("nodeSelector", dict, {})),
+        tolerations=list(r.get("tolerations", list, [])),
+        layers=r.get("kv.layers", int),
+        page_bytes=r.get("kv.pageBytes", int),
+        page_tokens=r.get("kv.pageTokens", int),
+        dram_bytes=parse_quantity(r.get("dram.size", str), "spec.dram.size"),
+        hugepage_size=r.get("dram.hugepageSize", str),
+        pinned=r.get("dram.pinned", bool),
+        devices=devices,
+        directory=directory,
+        file_bytes=parse_quantity(r.get("ssd.fileSize", str), "spec.ssd.fileSize"),
+        file_count=r.get("ssd.fileCount", int),
+        high_watermark=r.get("ssd.highWatermark", float),
+        low_watermark=r.get("ssd.lowWatermark", float),
+        agent_context_tokens=r.get("placement.agentContextTokens", int),
+        agent_reply_tokens=r.get("placement.agentReplyTokens", int),
+        short_reply_tokens=r.get("placement.shortReplyTokens", int),
+        io_backend=r.get("io.backend", str),
+        gap_bytes=r.get("io.gapBytes", int),
+        io_workers=r.get("io.workers", int),
+        staging_layers=r.get("io.stagingLayers", int),
+        staging_slot_bytes=r.get("io.stagingSlotBytes", int),
+        streams=r.get("io.streams", int),
+        scheduler=r.get("scheduler.policy", str),
+        metrics_port=r.get("metrics.port", int),
+        service_monitor=r.get("metrics.serviceMonitor.enabled", bool, True),
+        service_monitor_labels=dict(r.get("metrics.serviceMonitor.labels", dict, {})),
+        service_monitor_interval=r.get("metrics.serviceMonitor.interval", str, "15s"),
+        restart_kubelet=r.get("prepare.restartKubelet", bool, False),
+        reclaim_policy=r.get("reclaimPolicy", str, "Retain"),
+        wipe_policy=r.get("wipePolicy", str, "Refuse"),
+    )
+    if parsed.low_watermark > parsed.high_watermark:
+        raise SpecError(
+            "spec.ssd.lowWatermark",
+            f"{parsed.low_watermark} exceeds highWatermark {parsed.high_watermark}; reclaim runs from high down to low",
+        )
+    slot = parsed.layers * parsed.page_bytes
+    if parsed.file_bytes < slot or parsed.file_bytes % 4096:
+        raise SpecError(
+            "spec.ssd.fileSize",
+            f"{parsed.file_bytes} bytes must be a multiple of 4096 holding one page of all layers ({slot} bytes)",
+        )
+    if parsed.staging_slot_bytes < parsed.page_bytes:
+        raise SpecError("spec.io.stagingSlotBytes", f"must be at least kv.pageBytes ({parsed.page_bytes})")
+    if parsed.dram_bytes and parsed.dram_bytes < slot:
+        raise SpecError("spec.dram.size", f"holds no page of all layers ({slot} bytes); raise it or set 0")
+    return parsed
+
+
+def hugepage_bytes(spec: CacheSpec) -> int:
+    return {"2Mi": 2 << 20, "1Gi": 1 << 30}.get(spec.hugepage_size, 0)
+
+
+def check_node_fit(spec: CacheSpec, node_name: str, allocatable: dict[str, str], device_bytes: int | None) -> None:
+    """What only a node can tell: enough allocatable hugepages for the DRAM pool, room for the file pool.
+
+    Hugepages are checked unless the spec opts into reserving them (and restarting the kubelet)."""
+    page = hugepage_bytes(spec)
+    if page and spec.dram_bytes and not spec.restart_kubelet:
+        resource = f"hugepages-{spec.hugepage_size}"
+        have = parse_quantity(allocatable.get(resource, "0"), f"node {node_name} allocatable {resource}")
+        if have < spec.dram_bytes:
+            raise SpecError(
+                "spec.dram.size",
+                f"{format_bytes(spec.dram_bytes)} exceeds node {node_name}'s allocatable {resource} "
+                f"({format_bytes(have)}); reserve hugepages on the node, lower the size, "
+                "or set spec.prepare.restartKubelet to let the agent reserve them",
+            )
+    if device_bytes is not None and spec.pool_bytes > device_bytes:
+        raise SpecError(
+            "spec.ssd.fileCount",
+            f"the pool ({spec.file_count} x {format_bytes(spec.file_bytes)} = {format_bytes(spec.pool_bytes)}) "
+            f"exceeds node {node_name}'s filesystem ({format_bytes(device_bytes)}); lower fileCount or fileSize",
+        )
+
+
+def check_node_count(count: int) -> None:
+    if count > MAX_NODE_ID + 1:
+        raise SpecError(
+            "spec.nodeSelector",
+            f"selects {count} nodes; a GVA has 12 bits of NodeID ({MAX_NODE_ID + 1} nodes at most): "
+            "split the nodes across several FlatCakeCaches",
+        )

@@ -1,0 +1,48 @@
+"""The agent's side of the operator contract: NodeID from the mounted map, reclaim of a node."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import small_config
+
+from flatcake.node_agent import node_report as R
+from flatcake.node_agent import prepare as P
+from flatcake.node_agent.agent import Agent
+from flatcake.node_agent.config import ClusterConfig
+
+
+def test_node_id_waits_for_the_operator_then_reads_it(tmp_path: Path) -> None:
+    ids = tmp_path / "node-ids"
+    ids.mkdir()
+    c = dataclasses.replace(small_config(tmp_path), cluster=ClusterConfig(node_ids_dir=str(ids)))
+    threading.Timer(0.3, lambda: (ids / "node-a").write_text("17")).start()
+    started = time.monotonic()
+    assert R.resolve_node_id(c, "node-a", timeout=10, poll=0.05) == 17
+    assert time.monotonic() - started >= 0.25
+    with pytest.raises(RuntimeError, match="no NodeID for node node-b.*operator"):
+        R.resolve_node_id(c, "node-b", timeout=0.2, poll=0.05)
+    (ids / "node-c").write_text("5000")
+    with pytest.raises(RuntimeError, match="not a NodeID"):
+        R.resolve_node_id(c, "node-c", timeout=1, poll=0.05)
+
+
+def test_node_name_must_come_from_the_downward_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    with pytest.raises(RuntimeError, match="spec.nodeName"):
+        R.node_name()
+
+
+def test_reclaim_erases_pool_and_dram_file_and_is_idempotent(tmp_path: Path) -> None:
+    c = small_config(tmp_path)
+    agent = Agent(c)  # creates the pool, the journal and the shared DRAM file
+    agent.close()
+    pool, dram = Path(c.ssd.dir), Path(c.dram.shm_dir) / c.dram.name
+    assert pool.exists() and dram.exists()
+    removed = P.reclaim(c, log=lambda _: None)
+    assert set(removed) == {str(pool), str(dram)} and not pool.exists() and not dram.exists()
+    assert P.reclaim(c, log=lambda _: None) == []
