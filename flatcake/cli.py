@@ -98,9 +98,21 @@ def _loadgen_run(args: argparse.Namespace) -> int:
 
     cfg = LoadgenConfig(host=args.host, trace=args.trace, qps=args.qps, system=args.system, results=args.results,
                         csv_prefix=args.csv, limit=args.limit, api=args.api, max_output=args.max_output,
-                        users=args.users, role=args.role, master_host=args.master_host, workers=args.workers,
-                        allow_remote=args.allow_remote)  # fmt: skip
+                        users=args.users, role=args.role, master_host=args.master_host, master_port=args.master_port,
+                        workers=args.workers, allow_remote=args.allow_remote)  # fmt: skip
     return run(cfg, quiet=False)
+
+
+def _loadgen_bench(args: argparse.Namespace) -> int:
+    from flatcake.loadgen.staging import StagingBench, bench
+
+    cfg = StagingBench(
+        role=args.role, target=args.target, trace=args.trace, results=args.results, qps=tuple(args.qps),
+        system=args.system, workers=args.workers, master_host=args.master_host, master_port=args.master_port,
+        limit=args.limit, api=args.api, max_output=args.max_output, users=args.users, page_tokens=args.page_tokens,
+        context=args.context, hold_s=args.hold,
+    )  # fmt: skip
+    return bench(cfg, log=lambda m: print(m, file=sys.stderr))
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -206,9 +218,30 @@ def build_parser() -> argparse.ArgumentParser:
     lrun.add_argument("--users", type=int, default=64, help="concurrent Locust users (in flight at most)")
     lrun.add_argument("--role", choices=["local", "master", "worker"], default="local")
     lrun.add_argument("--master-host", default="127.0.0.1", dest="master_host")
+    lrun.add_argument("--master-port", type=int, default=5557, dest="master_port")
     lrun.add_argument("--workers", type=int, default=1, help="processes sharing the trace")
     lrun.add_argument("--allow-remote", action="store_true", dest="allow_remote", help="target beyond loopback")
     lrun.set_defaults(func=_loadgen_run)
+    lb = lg.add_parser(
+        "bench", help="a staging-cluster run: Locust master or worker over every QPS point, then the report"
+    )
+    lb.add_argument("--role", choices=["master", "worker"], required=True)
+    lb.add_argument("--target", required=True, help="inference endpoint base URL (OpenAI-compatible or SGLang)")
+    lb.add_argument("--trace", required=True)
+    lb.add_argument("--results", required=True, help="directory for records, Locust CSVs and the report")
+    lb.add_argument("--qps", type=float, nargs="+", required=True, help="rates, run in this order")
+    lb.add_argument("--system", required=True, help="name of the system under test, for the report")
+    lb.add_argument("--workers", type=int, default=2, help="Locust workers sharing the trace")
+    lb.add_argument("--master-host", default="127.0.0.1", dest="master_host")
+    lb.add_argument("--master-port", type=int, default=5557, dest="master_port")
+    lb.add_argument("--limit", type=int, help="replay only the first N requests")
+    lb.add_argument("--api", choices=["openai", "sglang"], default="openai", help="/v1/completions or /generate")
+    lb.add_argument("--max-output", type=int, default=16, dest="max_output")
+    lb.add_argument("--users", type=int, default=64, help="concurrent Locust users per run")
+    lb.add_argument("--page-tokens", type=int, default=256, dest="page_tokens", help="page size for the ideal line")
+    lb.add_argument("--context", default="", help="where it ran (cluster, namespace, release), for the report")
+    lb.add_argument("--hold", type=float, default=0.0, help="master: seconds to keep running for kubectl cp")
+    lb.set_defaults(func=_loadgen_bench)
 
     rep = sub.add_parser("report", help="report.json, Markdown/HTML and plots from replay runs")
     rep.add_argument("runs", help="directory of <system>/qps-<q>/results*.jsonl")

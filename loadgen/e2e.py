@@ -70,6 +70,18 @@ def page_ideal(trace: str, limit: int, page_tokens: int) -> float:
     return hit / total if total else 0.0
 
 
+def run_meta(trace: str, requests: int | None, page_tokens: int, qps: tuple[float, ...], systems: tuple[str, ...],
+             context: str, description: str = "") -> dict[str, Any]:  # fmt: skip
+    """What the report needs besides the records: the trace slice, its ideal hit rates, where it ran."""
+    stats = trace_stats.compute(read_trace(trace, requests), progress=False)
+    return {
+        "trace": trace, "requests": stats["requests"], "qps": list(qps), "systems": list(systems),
+        "ideal_hit_rate_tokens": stats["ideal_hit_rate_tokens"],
+        "ideal_hit_rate_pages": page_ideal(trace, requests or stats["requests"], page_tokens),
+        "context": context, "description": description,
+    }  # fmt: skip
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,14 +164,12 @@ def run(cfg: E2EConfig, out: str | Path, log: Callable[[str], None] = print) -> 
     out = Path(out).resolve()  # the processes it starts run in their own directories
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
-    stats = trace_stats.compute(read_trace(cfg.trace, cfg.requests), progress=False)
-    meta = {
-        "trace": cfg.trace, "requests": stats["requests"], "qps": list(cfg.qps), "systems": list(cfg.systems),
-        "ideal_hit_rate_tokens": stats["ideal_hit_rate_tokens"],
-        "ideal_hit_rate_pages": page_ideal(cfg.trace, cfg.requests, cfg.emulator.page_tokens),
-        "emulator": dataclasses.asdict(cfg.emulator), "context": "local emulators on loopback (flatcake emulate)",
-        "description": "Each point starts cold. Hits are delivered hits: KV in HBM before prefill starts.",
-    }  # fmt: skip
+    meta = run_meta(
+        cfg.trace, cfg.requests, cfg.emulator.page_tokens, cfg.qps, cfg.systems,
+        context="local emulators on loopback (flatcake emulate)",
+        description="Each point starts cold. Hits are delivered hits: KV in HBM before prefill starts.",
+    )  # fmt: skip
+    meta["emulator"] = dataclasses.asdict(cfg.emulator)
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     points = [(s, q) for s in cfg.systems for q in cfg.qps]
     started = time.monotonic()

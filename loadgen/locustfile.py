@@ -4,6 +4,10 @@ Run by ``flatcake loadgen run`` (or ``locust -f`` this file with the options bel
 replays its share of the trace (worker i of N takes requests i, i+N, ...); each request streams its
 response, and one JSON line per request goes to ``--results``. TTFT and end-to-end latency are also
 reported to Locust as request types ``TTFT`` and ``E2E``, so its CSVs and web UI show them.
+
+In Locust's distributed mode the workers send their records to the master as messages, and the
+master writes the one results file and stops the run once every worker reports its share answered:
+worker pods in a cluster need no shared volume.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 import gevent
 from locust import HttpUser, constant, events, task
 from locust.env import Environment
-from locust.runners import LocalRunner, WorkerRunner
+from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 from prometheus_client import CollectorRegistry, start_http_server
 
 from flatcake import metrics as M
@@ -49,12 +53,30 @@ class _Replay:
         self.done = 0
         self.quitting = False
         self.start = time.perf_counter() + 0.5
-        out = Path(o.results)
-        if share[1] > 1:
-            out = out.with_name(f"{out.stem}.{share[0]}{out.suffix}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self.out = open(out, "w", buffering=1)  # noqa: SIM115 - closed at test stop
+        self.runner = env.runner
+        self.out = None if isinstance(env.runner, WorkerRunner) else _open_results(o.results)
         self.metrics = _Metrics(o.metrics_port + share[0]) if o.metrics_port else None
+
+    def emit(self, rec: Record) -> None:
+        if self.out is not None:
+            self.out.write(rec.to_json() + "\n")
+        else:
+            assert self.runner is not None
+            self.runner.send_message(RECORD, {"record": rec.to_json()})
+
+    def finish(self) -> None:
+        """This process's share is answered: a local run quits, a worker tells the master."""
+        if self.quitting:
+            return
+        self.quitting = True
+        if isinstance(self.runner, WorkerRunner):
+            self.runner.send_message(DONE, {"worker": self.runner.worker_index})
+        elif isinstance(self.runner, LocalRunner):
+            gevent.spawn(self.runner.quit)  # not from a user's own greenlet, which quit() kills
+
+    def close(self) -> None:
+        if self.out is not None:
+            self.out.close()
 
     def take(self) -> Item | None:
         if self.next >= len(self.items):
@@ -62,6 +84,38 @@ class _Replay:
         item = self.items[self.next]
         self.next += 1
         return item
+
+
+RECORD, DONE = "flatcake_record", "flatcake_done"
+
+
+def _open_results(path: str) -> Any:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return open(out, "w", buffering=1)
+
+
+class _Collector:
+    """The master of a distributed run: writes the workers' records, quits when all are done."""
+
+    def __init__(self, env: Environment) -> None:
+        o = env.parsed_options
+        assert o is not None and isinstance(env.runner, MasterRunner)
+        self.runner = env.runner
+        self.expected = max(o.replay_workers, 1)
+        self.done: set[int] = set()
+        self.out = _open_results(o.results)
+
+    def record(self, line: str) -> None:
+        self.out.write(line + "\n")
+
+    def worker_done(self, index: int) -> None:
+        self.done.add(index)
+        if len(self.done) >= self.expected:
+            gevent.spawn(self.runner.quit)
+
+    def close(self) -> None:
+        self.out.close()
 
 
 class _Metrics:
@@ -83,19 +137,40 @@ class _Metrics:
 
 
 _replay: _Replay | None = None
+_collector: _Collector | None = None
+
+
+def _on_record(environment: Environment, msg: Any, **_: Any) -> None:
+    if _collector is not None:
+        _collector.record(msg.data["record"])
+
+
+def _on_done(environment: Environment, msg: Any, **_: Any) -> None:
+    if _collector is not None:
+        _collector.worker_done(int(msg.data["worker"]))
+
+
+@events.init.add_listener
+def _init(environment: Environment, **_: Any) -> None:
+    if isinstance(environment.runner, MasterRunner):
+        environment.runner.register_message(RECORD, _on_record)
+        environment.runner.register_message(DONE, _on_done)
 
 
 @events.test_start.add_listener
 def _start(environment: Environment, **_: Any) -> None:
-    global _replay
+    global _replay, _collector
     if isinstance(environment.runner, LocalRunner | WorkerRunner):
         _replay = _Replay(environment)
+    elif isinstance(environment.runner, MasterRunner):
+        _collector = _Collector(environment)
 
 
 @events.test_stop.add_listener
 def _stop(environment: Environment, **_: Any) -> None:
-    if _replay is not None:
-        _replay.out.close()
+    for part in (_replay, _collector):
+        if part is not None:
+            part.close()
 
 
 class TraceUser(HttpUser):
@@ -109,10 +184,8 @@ class TraceUser(HttpUser):
             return
         item = r.take()
         if item is None:  # this process's share is sent: stop when the last answer is in
-            runner = self.environment.runner
-            if r.done == len(r.items) and isinstance(runner, LocalRunner) and not r.quitting:
-                r.quitting = True
-                gevent.spawn(runner.quit)  # not from this user's own greenlet, which quit() kills
+            if r.done == len(r.items):
+                r.finish()
             gevent.sleep(0.2)
             return
         delay = r.start + item.at - time.perf_counter()
@@ -145,7 +218,7 @@ class TraceUser(HttpUser):
             rec.error = f"{exc.__class__.__name__}: {exc}"
         finally:
             r.done += 1
-            r.out.write(rec.to_json() + "\n")
+            r.emit(rec)
             if r.metrics is not None:
                 r.metrics.record(rec)
         env = self.environment

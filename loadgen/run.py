@@ -35,6 +35,7 @@ class LoadgenConfig:
     users: int = 64
     role: str = "local"  # local | master | worker
     master_host: str = "127.0.0.1"
+    master_port: int = 5557  # master: bind port; worker: where the master listens
     workers: int = 1  # processes that share the trace (master: how many to expect)
     allow_remote: bool = False
     metrics_port: int = 0  # serve the load generator's Prometheus metrics (worker i: port + i)
@@ -69,9 +70,9 @@ def command(cfg: LoadgenConfig) -> list[str]:
     if cfg.csv_prefix and cfg.role != "worker":
         cmd += ["--csv", cfg.csv_prefix]
     if cfg.role == "master":
-        cmd += ["--master", "--expect-workers", str(cfg.workers)]
+        cmd += ["--master", "--expect-workers", str(cfg.workers), "--master-bind-port", str(cfg.master_port)]
     elif cfg.role == "worker":
-        cmd += ["--worker", "--master-host", cfg.master_host]
+        cmd += ["--worker", "--master-host", cfg.master_host, "--master-port", str(cfg.master_port)]
     return cmd
 
 

@@ -151,10 +151,23 @@ def node_reported(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> No
     except SpecError:
         return  # the cache handler reports this one
     reports = [NodeReport.from_object(r) for r in _reports(kube, namespace, cache_name)]
+    _label_node(kube, render.Cache(cache_name, namespace, cache["metadata"].get("uid", "")),
+                NodeReport.from_object(body), selected)  # fmt: skip
     status = aggregate(selected=selected, reports=reports, problem=previous.get("problem", ""),
                        generation=previous.get("observedGeneration", 0), previous=previous, now=_now())  # fmt: skip
     if any(status.get(k) != previous.get(k) for k in ("phase", "readyNodes", "nodes", "dram", "ssd")):
         kube.patch(K.CACHES, namespace, cache_name, {"status": status}, subresource="status")
+
+
+def _label_node(kube: K.Kube, cache: render.Cache, report: NodeReport, selected: list[str]) -> None:
+    """Keep the node's ready label in step with its agent's report (removed when not ready)."""
+    node = kube.get(K.NODES, None, report.node)
+    if node is None:
+        return
+    key = render.ready_label(cache)
+    want = "true" if report.ready and report.node in selected else None
+    if (node["metadata"].get("labels") or {}).get(key) != want:
+        kube.patch(K.NODES, None, report.node, {"metadata": {"labels": {key: want}}})
 
 
 @kopf.on.delete(*CACHES)

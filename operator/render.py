@@ -39,6 +39,12 @@ class Cache:
                 "uid": self.uid, "controller": True, "blockOwnerDeletion": True}  # fmt: skip
 
 
+def ready_label(cache: Cache) -> str:
+    """The Node label the operator sets while this cache's agent on that node is ready: inference
+    pods use it in their node affinity (a pod cannot select on a custom resource's status)."""
+    return f"ready.flatcake.io/{cache.instance}"[: 63 + len("ready.flatcake.io/")]
+
+
 def names(cache: Cache) -> dict[str, str]:
     base = cache.name
     return {

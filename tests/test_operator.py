@@ -18,7 +18,7 @@ from helpers.kube_api import ApiServer, declare_resources
 
 from flatcake import kube as K
 from flatcake.node_agent.config import EngineConfig
-from flatcake.operator import handlers
+from flatcake.operator import handlers, render
 
 NS = "kv"
 CACHE = "main"
@@ -233,6 +233,17 @@ async def test_create_renders_agents_and_reports_ready(cluster: Cluster) -> None
         assert status["phase"] == "Ready" and status["readyNodes"] == "2/2"
         assert status["ssd"] == "16Gi" and status["dram"] == "512Mi"
         assert (await cluster.condition("Degraded"))["status"] == "False"
+        label = render.ready_label(render.Cache(CACHE, NS, ""))
+        for name in ("node-a", "node-b"):
+            assert (await cluster.get(K.NODES, name, namespace=None))["metadata"]["labels"][label] == "true"
+        await cluster.report("node-b", ready=False, error="EIO reading /dev/nvme1n1")
+
+        async def unlabelled() -> bool:
+            labels = (await cluster.get(K.NODES, "node-b", namespace=None))["metadata"]["labels"]
+            return label not in labels
+
+        await cluster.wait(unlabelled, "node-b's ready label removed")
+        assert (await cluster.cache_status())["phase"] == "Degraded"
 
 
 async def _deployed(cluster: Cluster) -> tuple[dict[str, Any], EngineConfig]:

@@ -1,0 +1,87 @@
+{{- define "bench.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "bench.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: flatcake
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "bench.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The endpoint under test: the given URL, else this release's SGLang or emulator Service. */}}
+{{- define "bench.target" -}}
+{{- if .Values.target.url -}}
+{{ .Values.target.url }}
+{{- else if .Values.sglang.enabled -}}
+http://{{ include "bench.fullname" . }}-sglang:{{ .Values.sglang.port }}
+{{- else if .Values.emulator.enabled -}}
+http://{{ include "bench.fullname" . }}-emulator:{{ .Values.emulator.port }}
+{{- else -}}
+{{ fail "target.url: set the endpoint to measure, or enable emulator or sglang in this release" }}
+{{- end -}}
+{{- end -}}
+
+{{- define "bench.tracePath" -}}
+{{- if and .Values.trace.configMap.name .Values.trace.pvc.claimName -}}
+{{ fail "trace: set only one of trace.configMap.name and trace.pvc.claimName" }}
+{{- else if .Values.trace.configMap.name -}}
+/trace/{{ .Values.trace.configMap.key }}
+{{- else if .Values.trace.pvc.claimName -}}
+/trace/{{ .Values.trace.pvc.path }}
+{{- else -}}
+{{ fail "trace: set trace.configMap.name (kubectl create configmap NAME --from-file=trace.jsonl=FILE) or trace.pvc.claimName" }}
+{{- end -}}
+{{- end -}}
+
+{{- define "bench.traceVolume" -}}
+- name: trace
+{{- if .Values.trace.configMap.name }}
+  configMap:
+    name: {{ .Values.trace.configMap.name }}
+{{- else }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.trace.pvc.claimName }}
+    readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* The flatcake loadgen bench arguments both roles share (see loadgen/staging.py). */}}
+{{- define "bench.commonArgs" -}}
+- --target
+- {{ include "bench.target" . }}
+- --trace
+- {{ include "bench.tracePath" . }}
+- --system
+- {{ .Values.system | quote }}
+- --workers
+- {{ .Values.workers | quote }}
+- --master-port
+- "5557"
+- --limit
+- {{ .Values.run.limit | quote }}
+- --api
+- {{ .Values.target.api }}
+- --max-output
+- {{ .Values.run.maxOutput | quote }}
+- --users
+- {{ .Values.run.users | quote }}
+- --qps
+{{- range .Values.run.qps }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "bench.cacheInstance" -}}
+{{ .Values.sglang.flatcake.namespace | default .Release.Namespace }}.{{ .Values.sglang.flatcake.cache }}
+{{- end -}}
