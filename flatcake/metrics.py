@@ -79,6 +79,13 @@ _SPECS = [
     ),
     Spec("flatcake_staging_tokens", "gauge", ("system",), "", "Tokens held in host staging (tiered)."),
     Spec(
+        "flatcake_staging_bytes",
+        "gauge",
+        ("system",),
+        "bytes",
+        "Bytes held by restore staging now: FlatCake's windows in use, or the tiered staging pool.",
+    ),
+    Spec(
         "flatcake_server_ttft_seconds",
         "histogram",
         ("system",),

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from flatcake import metrics as M
 from flatcake.node_agent.baselines import TieredStore
@@ -235,6 +235,7 @@ class Emulator:
             ("flatcake_prefetch_declined", M.counter), ("flatcake_prefetch_seconds", M.histogram),
             ("flatcake_queue_depth", M.gauge), ("flatcake_queue_wait_seconds", M.histogram),
             ("flatcake_staging_tokens", M.gauge), ("flatcake_server_ttft_seconds", M.histogram),
+            ("flatcake_staging_bytes", M.gauge),
         )}  # fmt: skip
         self.m: dict[str, Any] = m
         # Series exist from the start (at 0), so dashboards and alerts see them before the first event.
@@ -244,10 +245,17 @@ class Emulator:
             "flatcake_prefetch_declined",
             "flatcake_prefetch_seconds",
             "flatcake_staging_tokens",
+            "flatcake_staging_bytes",
             "flatcake_server_ttft_seconds",
         )
         for name in per_system:
             m[name].labels(cfg.mode)
+        self._token_bytes = cfg.layers * cfg.bytes_per_token_layer
+        engine = self.storage.engine
+        if engine is not None:  # FlatCake: what its bounded restore windows hold, read at scrape time
+            gauge = m["flatcake_staging_bytes"]
+            assert isinstance(gauge, Gauge)
+            gauge.labels(cfg.mode).set_function(lambda: engine.windows.in_use_bytes)
         for medium in ("hbm", "dram", "ssd"):
             m["flatcake_hit_tokens"].labels(cfg.mode, medium)
         for reason in ("uncached", "declined", "not_prefetched", "failed"):
@@ -338,11 +346,13 @@ class Emulator:
             return False
         self.staging_tokens += tokens
         self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
+        self.m["flatcake_staging_bytes"].labels(self.cfg.mode).set(self.staging_tokens * self._token_bytes)
         return True
 
     def _staging_release(self, pages: int) -> None:
         self.staging_tokens -= pages * self.cfg.page_tokens
         self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
+        self.m["flatcake_staging_bytes"].labels(self.cfg.mode).set(self.staging_tokens * self._token_bytes)
 
     async def _prefetch_loop(self) -> None:
         """SSD prefetches, in the scheduler's order (HRRN by volume for FlatCake, arrival for FCFS)."""

@@ -62,6 +62,12 @@ class WindowPool:
             self._free.append(window)
             self._cond.notify()
 
+    @property
+    def in_use_bytes(self) -> int:
+        """Host (or device) bytes held by restores now: bounded by streams x slots x slot bytes."""
+        with self._cond:
+            return (self._made - len(self._free)) * self._slots * self._slot_bytes
+
 
 class Restore(Iterator[int]):
     """Yields layer indexes in order; when layer ``l`` is yielded its bytes are in the destination.

@@ -248,6 +248,8 @@ def test_a_restore_waits_for_a_window_instead_of_dropping(make_engine: Make) -> 
     e.put(list("abcd"), kv)
     first = e.get(list("ab"), np.zeros((4, 2, 4096), np.uint8))
     assert next(first) == 0  # holds the only window
+    window = e.config.io.staging_layers * e.config.io.staging_slot_bytes
+    assert e.windows.in_use_bytes == window  # what flatcake_staging_bytes shows
     done: list[np.ndarray] = []
 
     def second() -> None:
@@ -264,3 +266,4 @@ def test_a_restore_waits_for_a_window_instead_of_dropping(make_engine: Make) -> 
     t.join(5)
     assert done and np.array_equal(done[0], kv[:, 2:])
     assert e.stats.get("staging_waits") == 1
+    assert e.windows.in_use_bytes == 0  # both windows returned; never more than one was held
