@@ -155,7 +155,11 @@ def _agent_serve(args: argparse.Namespace) -> int:
 def _operator(args: argparse.Namespace) -> int:
     from flatcake.operator import handlers
 
-    handlers.run(args.namespace, liveness=args.liveness)
+    try:
+        handlers.run(args.namespace, liveness=args.liveness)
+    except RuntimeError as exc:
+        print(f"flatcake operator: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

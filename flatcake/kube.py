@@ -75,7 +75,13 @@ class Kube:
         try:
             kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
         except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
+            try:
+                kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
+            except (kubernetes.config.ConfigException, OSError) as exc:
+                raise RuntimeError(
+                    f"no Kubernetes credentials ({exc}): run in a pod with a service account, or point "
+                    "KUBECONFIG at a kubeconfig file"
+                ) from None
         return cls(kubernetes.client.ApiClient(), user_agent)
 
     @classmethod

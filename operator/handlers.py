@@ -202,6 +202,9 @@ def cache_deleted(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> No
 
 
 def run(namespaces: list[str], liveness: str | None = None) -> None:
-    """``flatcake operator``: watch the given namespaces, or all of them when none are given."""
+    """``flatcake operator``: watch the given namespaces, or all of them when none are given. The
+    credentials are checked before kopf starts, so a missing kubeconfig is one clear error."""
     logging.basicConfig(level=logging.INFO)
-    kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=True, liveness_endpoint=liveness)
+    memo = kopf.Memo(kube=K.Kube.from_environment(USER_AGENT))
+    kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=True, liveness_endpoint=liveness,
+             memo=memo)  # fmt: skip

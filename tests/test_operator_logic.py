@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -192,3 +196,15 @@ def test_rendered_objects_validate_against_kubernetes_schemas() -> None:
             kubernetes_validate.validate(obj, KUBERNETES, strict=True)
         monitor = render.service_monitor(parsed, CACHE)
         assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_operator_without_credentials_is_one_clear_error(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env |= {"KUBECONFIG": str(tmp_path / "missing"), "HOME": str(tmp_path)}
+    exe = Path(sys.executable).parent / "flatcake"
+    out = subprocess.run(
+        [str(exe), "operator", "--namespace", "kv"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 2, out.stderr
+    assert "no Kubernetes credentials" in out.stderr and "KUBECONFIG" in out.stderr
+    assert "Traceback" not in out.stderr
