@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,10 +20,12 @@ import kmock
 import kopf
 import pytest
 import pytest_asyncio
+import yaml
+from conftest import small_config
 from helpers.kube_api import ApiServer, declare_resources
 
 from flatcake import kube as K
-from flatcake.node_agent.config import EngineConfig
+from flatcake.node_agent.config import ClusterConfig, EngineConfig
 from flatcake.operator import handlers, render
 
 NS = "kv"
@@ -456,3 +464,63 @@ async def test_no_service_monitor_without_its_crd(kmock: kmock.KubernetesEmulato
         _, config = await _deployed(cluster)
         assert config.ssd.dir == f"/mnt/nvme/kv/{NS}.{CACHE}/pool" and config.prepare.devices == ()
     assert cluster.requests("POST", "servicemonitors") == 0
+
+
+async def test_a_real_agent_process_takes_its_node_id_and_reports(
+    kmock: kmock.KubernetesEmulator, tmp_path: Path
+) -> None:
+    """`flatcake agent serve` in cluster mode, as its own process: it waits for its NodeID file, logs in
+    with a kubeconfig, writes its FlatCakeNode while serving and reports not-ready when stopped."""
+    declare_resources(kmock, service_monitors=False)
+    cluster = Cluster(kmock)
+    ids = tmp_path / "node-ids"
+    ids.mkdir()
+    config = dataclasses.replace(
+        small_config(tmp_path / "agent"),
+        cluster=ClusterConfig(
+            cache=CACHE, namespace=NS, cache_uid="uid-1", node_ids_dir=str(ids), report_interval_s=0.2
+        ),
+    )
+    (tmp_path / "engine.json").write_text(json.dumps(config.to_dict()))
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "t",
+        "clusters": [{"name": "t", "cluster": {"server": cluster.url}}],
+        "users": [{"name": "t", "user": {}}],
+        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}],
+    }
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env |= {"NODE_NAME": "node-a", "KUBECONFIG": str(tmp_path / "kubeconfig")}
+    exe = Path(sys.executable).parent / "flatcake"
+    log = open(tmp_path / "agent.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [str(exe), "agent", "serve", "--config", str(tmp_path / "engine.json")],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    name = f"{CACHE}-node-a"
+    try:
+        await asyncio.sleep(1.0)
+        assert await cluster.get(K.FLATCAKE_NODES, name) is None  # no NodeID yet: not serving
+        (ids / "node-a").write_text("7")
+
+        async def reported(ready: bool) -> dict[str, Any] | None:
+            obj = await cluster.get(K.FLATCAKE_NODES, name)
+            status = (obj or {}).get("status", {})
+            return obj if status.get("ready") is ready and status.get("nodeId") == 7 else None
+
+        obj = await cluster.wait(lambda: reported(True), "the agent's FlatCakeNode", timeout=60)
+        assert obj["spec"] == {"cache": CACHE, "nodeName": "node-a"}
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+        assert obj["status"]["ssdCapacityBytes"] == config.ssd.file_bytes * config.ssd.file_count
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+        await cluster.wait(lambda: reported(False), "the agent reporting not ready as it stops")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    check_rbac(list(kmock))
