@@ -110,7 +110,7 @@ def _loadgen_bench(args: argparse.Namespace) -> int:
         role=args.role, target=args.target, trace=args.trace, results=args.results, qps=tuple(args.qps),
         system=args.system, workers=args.workers, master_host=args.master_host, master_port=args.master_port,
         limit=args.limit, api=args.api, max_output=args.max_output, users=args.users, page_tokens=args.page_tokens,
-        context=args.context, hold_s=args.hold,
+        context=args.context, hold_s=args.hold, metrics_port=args.metrics_port,
     )  # fmt: skip
     return bench(cfg, log=lambda m: print(m, file=sys.stderr))
 
@@ -245,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--page-tokens", type=int, default=256, dest="page_tokens", help="page size for the ideal line")
     lb.add_argument("--context", default="", help="where it ran (cluster, namespace, release), for the report")
     lb.add_argument("--hold", type=float, default=0.0, help="master: seconds to keep running for kubectl cp")
+    lb.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        dest="metrics_port",
+        help="workers: serve flatcake_loadgen_* metrics on this port, all addresses (0: off)",
+    )
     lb.set_defaults(func=_loadgen_bench)
 
     rep = sub.add_parser("report", help="report.json, Markdown/HTML and plots from replay runs")

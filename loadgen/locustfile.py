@@ -38,6 +38,7 @@ def _options(parser: Any) -> None:
     parser.add_argument("--system", default="unknown", help="name of the system under test, for the report")
     parser.add_argument("--replay-workers", type=int, default=1, help="how many processes share the trace")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here (0: off)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (0.0.0.0 in a pod)")
 
 
 class _Replay:
@@ -55,7 +56,9 @@ class _Replay:
         self.start = time.perf_counter() + 0.5
         self.runner = env.runner
         self.out = None if isinstance(env.runner, WorkerRunner) else _open_results(o.results)
-        self.metrics = _Metrics(o.metrics_port + share[0]) if o.metrics_port else None
+        # Processes on one host (loopback) take port + worker index; in a pod each has the port to itself.
+        offset = share[0] if o.metrics_host.startswith("127.") else 0
+        self.metrics = _Metrics(o.metrics_port + offset, o.metrics_host) if o.metrics_port else None
 
     def emit(self, rec: Record) -> None:
         if self.out is not None:
@@ -121,12 +124,12 @@ class _Collector:
 class _Metrics:
     """The load generator's catalogue metrics, on their own port (one per process)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, host: str) -> None:
         self.registry = CollectorRegistry()
         self.ttft = M.histogram("flatcake_loadgen_ttft_seconds", self.registry)
         self.e2e = M.histogram("flatcake_loadgen_e2e_seconds", self.registry)
         self.requests = M.counter("flatcake_loadgen_requests", self.registry)
-        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        start_http_server(port, addr=host, registry=self.registry)
 
     def record(self, rec: Record) -> None:
         self.requests.labels(rec.system, "ok" if rec.ok else "error").inc()

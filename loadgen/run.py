@@ -38,7 +38,8 @@ class LoadgenConfig:
     master_port: int = 5557  # master: bind port; worker: where the master listens
     workers: int = 1  # processes that share the trace (master: how many to expect)
     allow_remote: bool = False
-    metrics_port: int = 0  # serve the load generator's Prometheus metrics (worker i: port + i)
+    metrics_port: int = 0  # serve the load generator's Prometheus metrics (on loopback, worker i: port + i)
+    metrics_host: str = "127.0.0.1"
     margin_s: float = 120.0
 
 
@@ -64,7 +65,7 @@ def command(cfg: LoadgenConfig) -> list[str]:
     if cfg.limit:
         cmd += ["--trace-limit", str(cfg.limit)]
     if cfg.metrics_port:
-        cmd += ["--metrics-port", str(cfg.metrics_port)]
+        cmd += ["--metrics-port", str(cfg.metrics_port), "--metrics-host", cfg.metrics_host]
     if cfg.role != "worker":
         cmd += ["-u", str(cfg.users), "-r", str(cfg.users)]
     if cfg.csv_prefix and cfg.role != "worker":

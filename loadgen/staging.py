@@ -39,6 +39,7 @@ class StagingBench:
     page_tokens: int = 256
     context: str = ""
     hold_s: float = 0.0
+    metrics_port: int = 0  # workers: serve the load generator's metrics on all addresses (0: off)
 
     def __post_init__(self) -> None:
         if self.role not in ("master", "worker"):
@@ -55,6 +56,7 @@ class StagingBench:
             results=str(run_dir / "results.jsonl"), csv_prefix=str(run_dir / "locust"), limit=self.limit,
             api=self.api, max_output=self.max_output, users=self.users, role=self.role,
             master_host=self.master_host, master_port=self.master_port, workers=self.workers, allow_remote=True,
+            metrics_port=self.metrics_port if self.role == "worker" else 0, metrics_host="0.0.0.0",
         )  # fmt: skip
 
 
