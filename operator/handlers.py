@@ -27,6 +27,7 @@ FINALIZER = "flatcake.io/finalizer"
 USER_AGENT = "flatcake-operator"
 RESYNC_SECONDS = float(os.environ.get("FLATCAKE_RESYNC_SECONDS", "60"))
 RECLAIM_POLL_SECONDS = float(os.environ.get("FLATCAKE_RECLAIM_POLL_SECONDS", "5"))
+RETRY_SECONDS = 10.0  # after an API error (kopf's default backoff is a minute)
 CACHES = (GROUP, VERSION, "flatcakecaches")
 
 
@@ -122,17 +123,25 @@ def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: An
     )  # fmt: skip
 
 
+def _reconcile_or_retry(body: kopf.Body, memo: kopf.Memo, logger: Any) -> dict[str, Any]:
+    """API errors (a busy or restarting API server) are retried soon; the pass is idempotent."""
+    try:
+        return reconcile(memo.kube, body, memo.agent_cluster_role, logger)
+    except K.KubeError as exc:
+        raise kopf.TemporaryError(f"{exc}; retrying in {RETRY_SECONDS:g}s", delay=RETRY_SECONDS) from exc
+
+
 @kopf.on.resume(*CACHES)
 @kopf.on.create(*CACHES)
 @kopf.on.update(*CACHES)
 def cache_changed(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, logger: Any, **_: Any) -> None:
-    patch.status.update(reconcile(memo.kube, body, memo.agent_cluster_role, logger))
+    patch.status.update(_reconcile_or_retry(body, memo, logger))
 
 
 @kopf.timer(*CACHES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, idle=RESYNC_SECONDS / 2)
 def cache_resync(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, logger: Any, **_: Any) -> None:
     """Nodes joining or leaving the selector change nothing in the cache itself: resync periodically."""
-    patch.status.update(reconcile(memo.kube, body, memo.agent_cluster_role, logger))
+    patch.status.update(_reconcile_or_retry(body, memo, logger))
 
 
 @kopf.on.event(GROUP, VERSION, "flatcakenodes")

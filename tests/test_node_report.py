@@ -46,3 +46,22 @@ def test_reclaim_erases_pool_and_dram_file_and_is_idempotent(tmp_path: Path) -> 
     removed = P.reclaim(c, log=lambda _: None)
     assert set(removed) == {str(pool), str(dram)} and not pool.exists() and not dram.exists()
     assert P.reclaim(c, log=lambda _: None) == []
+
+
+def test_reporter_keeps_going_while_the_api_server_is_away(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from flatcake.kube import Kube
+
+    c = dataclasses.replace(
+        small_config(tmp_path), cluster=ClusterConfig(cache="main", namespace="kv", report_interval_s=0.05)
+    )
+    usage = {"dram": {"capacity_bytes": 1, "used_bytes": 0}, "ssd": {"capacity_bytes": 1, "used_bytes": 0}}
+    reporter = R.NodeReporter(
+        c, "node-a", 3, lambda: usage, lambda: True, Kube.for_url("http://127.0.0.1:9", "t"), filesystem_bytes=lambda: 1
+    )
+    with caplog.at_level("WARNING", logger="flatcake.node_agent"):
+        reporter.start()
+        time.sleep(0.5)
+        assert reporter._thread.is_alive()  # failed reports are logged and retried, never fatal
+        reporter.stop()
+    assert not reporter._thread.is_alive()
+    assert sum("FlatCakeNode report failed" in r.message for r in caplog.records) >= 2

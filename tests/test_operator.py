@@ -401,6 +401,24 @@ async def test_operator_restart_recreates_nothing_and_keeps_node_ids(cluster: Cl
     assert await cluster.get(K.DAEMON_SETS, f"{CACHE}-agent") == ds
 
 
+async def test_api_errors_are_retried_until_the_objects_exist(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API server fails the operator's first two DaemonSet creations (500): the pass is retried
+    (soon, not after kopf's default minute) and completes; nothing is left half-done."""
+    monkeypatch.setattr(handlers, "RETRY_SECONDS", 0.5)
+    api: Any = cluster.api
+    api.faults[("POST", "daemonsets")] = 2
+    async with running_operator(cluster.api):
+        await cluster.create(K.CACHES, cache_body())
+        await _deployed(cluster)
+        status = await cluster.wait(cluster.cache_status, "a status")
+        assert status["phase"] == "Progressing" and status["readyNodes"] == "0/2"
+    assert api.faults[("POST", "daemonsets")] == 0
+    assert cluster.requests("POST", "daemonsets") == 3  # two refused, the third created it
+    assert cluster.requests("POST", "configmaps") == 2  # config and NodeID map once each: the retry found them
+
+
 async def _ready(cluster: Cluster) -> bool:
     return (await cluster.condition("Ready")).get("status") == "True"
 

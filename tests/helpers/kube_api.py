@@ -66,8 +66,17 @@ def admit(group: str, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
 
 @attrs.define(kw_only=True)
 class ApiServer(kmock.KubernetesEmulator):
+    # Faults to inject: (HTTP method, plural) -> how many of the next such requests fail with a 500
+    # before anything is stored (kmock's own reactions answer after storing).
+    faults: dict[tuple[str, str], int] = attrs.field(factory=dict)
+
     async def _handle(self, request: Any) -> Any:
         res = request.resource
+        method = str(request.method).upper().rsplit(".", 1)[-1]
+        key = (method, res.plural if res is not None else "")
+        if self.faults.get(key, 0) > 0:
+            self.faults[key] -= 1
+            raise kmock.KubernetesError(status=500, reason="InternalError", message="injected fault")
         if (
             res is not None
             and request.action in (kmock.action.CREATE, kmock.action.UPDATE)
