@@ -11,6 +11,7 @@ keeps them simple."""
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -24,6 +25,8 @@ from flatcake.operator.spec import GROUP, VERSION, CacheSpec, SpecError, check_n
 from flatcake.operator.status import NodeReport, aggregate
 
 FINALIZER = "flatcake.io/finalizer"
+# Not under flatcake.io/: kopf ignores annotations under its own storage prefix when it diffs.
+REPORTS_DIGEST = "nodes.flatcake.io/reports"
 USER_AGENT = "flatcake-operator"
 RESYNC_SECONDS = float(os.environ.get("FLATCAKE_RESYNC_SECONDS", "60"))
 RECLAIM_POLL_SECONDS = float(os.environ.get("FLATCAKE_RECLAIM_POLL_SECONDS", "5"))
@@ -146,7 +149,9 @@ def cache_resync(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, logger: An
 
 @kopf.on.event(GROUP, VERSION, "flatcakenodes")
 def node_reported(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    """An agent wrote its FlatCakeNode: refresh the owning cache's status at once."""
+    """An agent wrote its FlatCakeNode: label its node, and when what the status is made of changed,
+    mark the cache (annotation REPORTS_DIGEST) so that its own handler runs a pass. The cache handler
+    stays the only writer of the cache's status: two writers would race and undo each other."""
     kube: K.Kube = memo.kube
     namespace, cache_name = body["metadata"].get("namespace"), body.get("spec", {}).get("cache")
     if not cache_name:
@@ -154,18 +159,22 @@ def node_reported(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> No
     cache = kube.get(K.CACHES, namespace, cache_name)
     if cache is None or cache["metadata"].get("deletionTimestamp"):
         return
-    previous = cache.get("status", {})
     try:
         selected = sorted(n["metadata"]["name"] for n in _selected_nodes(kube, parse_spec(cache.get("spec", {}))))
     except SpecError:
-        return  # the cache handler reports this one
-    reports = [NodeReport.from_object(r) for r in _reports(kube, namespace, cache_name)]
+        selected = []  # the cache handler reports the spec; no node is ready for an invalid one
     _label_node(kube, render.Cache(cache_name, namespace, cache["metadata"].get("uid", "")),
                 NodeReport.from_object(body), selected)  # fmt: skip
-    status = aggregate(selected=selected, reports=reports, problem=previous.get("problem", ""),
-                       generation=previous.get("observedGeneration", 0), previous=previous, now=_now())  # fmt: skip
-    if any(status.get(k) != previous.get(k) for k in ("phase", "readyNodes", "nodes", "dram", "ssd")):
-        kube.patch(K.CACHES, namespace, cache_name, {"status": status}, subresource="status")
+    digest = reports_digest([NodeReport.from_object(r) for r in _reports(kube, namespace, cache_name)])
+    if (cache["metadata"].get("annotations") or {}).get(REPORTS_DIGEST) != digest:
+        kube.patch(K.CACHES, namespace, cache_name, {"metadata": {"annotations": {REPORTS_DIGEST: digest}}})
+
+
+def reports_digest(reports: list[NodeReport]) -> str:
+    """What of the node reports the cache status shows (usage changes alone do not count)."""
+    rows = sorted((r.node, r.node_id, r.ready, r.dram_capacity, r.ssd_capacity, r.last_error, r.holds_data)
+                  for r in reports)  # fmt: skip
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 
 
 def _label_node(kube: K.Kube, cache: render.Cache, report: NodeReport, selected: list[str]) -> None:

@@ -251,7 +251,8 @@ async def test_create_renders_agents_and_reports_ready(cluster: Cluster) -> None
             return label not in labels
 
         await cluster.wait(unlabelled, "node-b's ready label removed")
-        assert (await cluster.cache_status())["phase"] == "Degraded"
+        cond = await _degraded_with(cluster, "EIO reading /dev/nvme1n1")
+        assert cond["reason"] == "NodeErrors" and "node-b" in cond["message"]
 
 
 async def _deployed(cluster: Cluster) -> tuple[dict[str, Any], EngineConfig]:
