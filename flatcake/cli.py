@@ -118,7 +118,7 @@ def _loadgen_bench(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from flatcake.loadgen import report as R
 
-    print(R.format_table(R.write(args.runs, args.out)))
+    print(R.format_table(R.write(args.runs, args.out, context=args.context)))
     return 0
 
 
@@ -257,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="report.json, Markdown/HTML and plots from replay runs")
     rep.add_argument("runs", help="directory of <system>/qps-<q>/results*.jsonl")
     rep.add_argument("--out", help="output directory (default: the runs directory)")
+    rep.add_argument("--context", help="where the runs came from (cluster, namespace), shown in the report")
     rep.set_defaults(func=_report)
 
     emulate = sub.add_parser("emulate", help="an inference server that stores real KV through the storage under test")

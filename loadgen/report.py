@@ -115,8 +115,10 @@ _TEMPLATES = jinja2.Environment(
 )
 
 
-def write(runs_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Any]:
+def write(runs_dir: str | Path, out_dir: str | Path | None = None, context: str | None = None) -> dict[str, Any]:
     report = collect(runs_dir)
+    if context:
+        report["meta"]["context"] = context
     out = Path(out_dir or runs_dir)
     out.mkdir(parents=True, exist_ok=True)
     report["plots"] = plot(report, out)

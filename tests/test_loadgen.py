@@ -4,6 +4,8 @@ targets, the report and one small end-to-end run through Locust."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,3 +118,24 @@ def test_end_to_end_through_locust_then_the_report(tmp_path: Path) -> None:
     assert "flatcake" in R.format_table(report)
     assert time.monotonic() - started < 240
     assert len(list(read_trace(cfg.trace, 12))) == 12
+
+
+def test_report_names_the_context_of_runs_made_elsewhere(tmp_path: Path) -> None:
+    """`flatcake loadgen run` against any endpoint, then `flatcake report --context`: the page says where."""
+    from flatcake.loadgen.replay import Record
+
+    run = tmp_path / "vllm-staging" / "qps-2"
+    run.mkdir(parents=True)
+    recs = [
+        Record(i, "vllm-staging", 2.0, i * 0.5, i * 0.5, 0.2, 0.4, 1000, 16, 600, {"hbm": 600}, True) for i in range(4)
+    ]
+    (run / "results.jsonl").write_text("".join(r.to_json() + "\n" for r in recs))
+    exe = Path(sys.executable).parent / "flatcake"
+    out = subprocess.run(
+        [str(exe), "report", str(tmp_path), "--context", "staging-eu/kv"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["meta"]["context"] == "staging-eu/kv" and set(report["systems"]) == {"vllm-staging"}
+    assert report["systems"]["vllm-staging"]["2"]["delivered_hit_rate"] == pytest.approx(0.6)
+    assert "staging-eu/kv" in (tmp_path / "report.md").read_text()
