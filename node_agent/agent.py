@@ -434,5 +434,5 @@ def run(config: EngineConfig) -> None:
         if reporter is not None:
             reporter.stop()
             with contextlib.suppress(Exception):
-                reporter.report_once(ready=False)  # the operator sees the node go down at once
+                reporter.report_once(ready=False, force=True)  # the operator sees the node go down at once
         agent.close()

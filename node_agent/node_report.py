@@ -22,6 +22,7 @@ from flatcake.node_agent.gva import MAX_NODE_ID
 
 log = logging.getLogger("flatcake.node_agent")
 USER_AGENT = "flatcake-agent"
+HEARTBEAT_INTERVALS = 6  # an unchanged status is rewritten every 6 report intervals
 
 
 def node_name() -> str:
@@ -109,6 +110,8 @@ class NodeReporter:
         self.usage, self.ready, self.kube = usage, ready, kube
         self.filesystem_bytes = filesystem_bytes or (lambda: shutil.disk_usage(config.ssd.dir).total)
         self.last_error = ""
+        self._sent: dict[str, Any] | None = None  # the last status written, less its timestamp
+        self._sent_at = -float("inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="flatcake-node-report")
 
@@ -119,7 +122,10 @@ class NodeReporter:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def report_once(self, ready: bool | None = None) -> None:
+    def report_once(self, ready: bool | None = None, force: bool = False) -> bool:
+        """Write the FlatCakeNode when something in it changed, or as a heartbeat every
+        HEARTBEAT_INTERVALS intervals (every write is an event the operator reacts to). Returns
+        whether it wrote."""
         from flatcake import kube as K
 
         c = self.config
@@ -129,10 +135,16 @@ class NodeReporter:
             last_error=self.last_error, device_bytes=self.filesystem_bytes(),
             hugepages_bytes=_hugepages_bytes(), now=now,
         )  # fmt: skip
+        content = {k: v for k, v in status.items() if k != "lastReportTime"}
+        due = time.monotonic() - self._sent_at >= HEARTBEAT_INTERVALS * c.cluster.report_interval_s
+        if not force and content == self._sent and not due:
+            return False
         name = resource_name(c, self.node)
         if self.kube.get(K.FLATCAKE_NODES, c.cluster.namespace, name) is None:
             self.kube.create(K.FLATCAKE_NODES, node_object(c, self.node))
         self.kube.patch(K.FLATCAKE_NODES, c.cluster.namespace, name, {"status": status}, subresource="status")
+        self._sent, self._sent_at = content, time.monotonic()
+        return True
 
     def _run(self) -> None:
         while not self._stop.is_set():

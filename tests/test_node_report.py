@@ -6,6 +6,7 @@ import dataclasses
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import small_config
@@ -65,3 +66,41 @@ def test_reporter_keeps_going_while_the_api_server_is_away(tmp_path: Path, caplo
         reporter.stop()
     assert not reporter._thread.is_alive()
     assert sum("FlatCakeNode report failed" in r.message for r in caplog.records) >= 2
+
+
+class _RecordingKube:
+    def __init__(self) -> None:
+        self.objects: dict[str, Any] = {}
+        self.patches = 0
+
+    def get(self, res: Any, namespace: str, name: str) -> Any:
+        return self.objects.get(name)
+
+    def create(self, res: Any, body: dict[str, Any]) -> Any:
+        self.objects[body["metadata"]["name"]] = body
+        return body
+
+    def patch(self, res: Any, namespace: str, name: str, body: dict[str, Any], subresource: str | None = None) -> Any:
+        self.patches += 1
+        self.objects[name] |= body
+        return self.objects[name]
+
+
+def test_reporter_writes_on_change_and_as_a_heartbeat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    c = dataclasses.replace(
+        small_config(tmp_path), cluster=ClusterConfig(cache="main", namespace="kv", report_interval_s=10)
+    )
+    usage = {"dram": {"capacity_bytes": 8, "used_bytes": 0}, "ssd": {"capacity_bytes": 8, "used_bytes": 0}}
+    kube = _RecordingKube()
+    reporter = R.NodeReporter(c, "node-a", 3, lambda: usage, lambda: True, kube, filesystem_bytes=lambda: 1)
+    assert reporter.report_once() and kube.patches == 1
+    assert not reporter.report_once() and kube.patches == 1  # nothing changed: no write, no event
+    usage["ssd"]["used_bytes"] = 4096
+    assert reporter.report_once() and kube.patches == 2
+    assert kube.objects["main-node-a"]["status"]["ssdUsedBytes"] == 4096
+    assert reporter.report_once(ready=False, force=True) and kube.patches == 3
+    assert reporter.report_once() and kube.patches == 4  # ready again: a change
+    assert not reporter.report_once() and kube.patches == 4
+    clock = time.monotonic() + R.HEARTBEAT_INTERVALS * 10
+    monkeypatch.setattr(R.time, "monotonic", lambda: clock)
+    assert reporter.report_once() and kube.patches == 5  # unchanged, but the heartbeat is due
