@@ -6,8 +6,8 @@ RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-ins
         mdadm xfsprogs util-linux fio \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/flatcake
-COPY requirements/lock.txt requirements/lock.txt
-RUN pip install --no-cache-dir -r requirements/lock.txt
+COPY requirements/runtime.txt requirements/runtime.txt
+RUN pip install --no-cache-dir -r requirements/runtime.txt
 COPY . .
 RUN pip install --no-cache-dir --no-deps . && rm -rf /opt/flatcake/tests
 ENV PYTHONSAFEPATH=1
