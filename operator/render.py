@@ -42,7 +42,10 @@ class Cache:
 def ready_label(cache: Cache) -> str:
     """The Node label the operator sets while this cache's agent on that node is ready: inference
     pods use it in their node affinity (a pod cannot select on a custom resource's status)."""
-    return f"ready.flatcake.io/{cache.instance}"[: 63 + len("ready.flatcake.io/")]
+    name = cache.instance
+    if len(name) > 63:  # a label name is at most 63 characters: keep a readable head, make it unique
+        name = f"{name[:46].rstrip('.-')}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+    return f"ready.flatcake.io/{name}"
 
 
 def names(cache: Cache) -> dict[str, str]:

@@ -238,3 +238,11 @@ def test_master_and_two_workers_run_the_charts_command_lines(tmp_path: Path) -> 
     assert report["meta"]["context"] == "staging-test/bench" and set(report["systems"]) == {"emulated"}
     assert {p["requests"] for p in report["systems"]["emulated"].values()} == {12}
     assert all((results / p).stat().st_size > 0 for p in report["plots"])
+
+
+def test_sglang_affinity_uses_the_operators_ready_label_for_long_names() -> None:
+    cache = "c" * 70 + "-.x"
+    docs = render(*COMBINATIONS["sglang-devices"], "--set", f"sglang.flatcake.cache={cache}")
+    pod = find(docs, "Deployment", "-sglang")["spec"]["template"]["spec"]
+    term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert term["matchExpressions"][0]["key"] == R.ready_label(R.Cache(cache, "bench", ""))

@@ -208,3 +208,16 @@ def test_operator_without_credentials_is_one_clear_error(tmp_path: Path) -> None
     assert out.returncode == 2, out.stderr
     assert "no Kubernetes credentials" in out.stderr and "KUBECONFIG" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_ready_label_is_a_valid_label_key_for_any_cache_name() -> None:
+    import re
+
+    name_part = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
+    short = render.ready_label(render.Cache("main", "kv", ""))
+    assert short == "ready.flatcake.io/kv.main"
+    long = render.ready_label(render.Cache("c" * 200, "n" * 63, ""))
+    other = render.ready_label(render.Cache("c" * 199 + "d", "n" * 63, ""))
+    for key in (short, long, other):
+        assert name_part.match(key.split("/", 1)[1]), key
+    assert long != other
