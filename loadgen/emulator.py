@@ -344,13 +344,14 @@ class Emulator:
         if self.staging_tokens + tokens > self.cfg.staging_tokens:
             self.m["flatcake_prefetch_declined"].labels(self.cfg.mode).inc()
             return False
-        self.staging_tokens += tokens
-        self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
-        self.m["flatcake_staging_bytes"].labels(self.cfg.mode).set(self.staging_tokens * self._token_bytes)
+        self._staging_add(tokens)
         return True
 
     def _staging_release(self, pages: int) -> None:
-        self.staging_tokens -= pages * self.cfg.page_tokens
+        self._staging_add(-pages * self.cfg.page_tokens)
+
+    def _staging_add(self, tokens: int) -> None:
+        self.staging_tokens += tokens
         self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
         self.m["flatcake_staging_bytes"].labels(self.cfg.mode).set(self.staging_tokens * self._token_bytes)
 

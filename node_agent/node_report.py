@@ -19,6 +19,7 @@ from typing import Any
 
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.gva import MAX_NODE_ID
+from flatcake.node_agent.prepare import HUGEPAGE_BYTES, reserved_hugepages
 
 log = logging.getLogger("flatcake.node_agent")
 USER_AGENT = "flatcake-agent"
@@ -90,13 +91,7 @@ def node_object(config: EngineConfig, node: str) -> dict[str, Any]:
 
 
 def _hugepages_bytes() -> int:
-    total = 0
-    for d in Path("/sys/kernel/mm/hugepages").glob("hugepages-*kB"):
-        try:
-            total += int((d / "nr_hugepages").read_text()) * int(d.name[len("hugepages-") : -2]) * 1024
-        except (OSError, ValueError):
-            continue
-    return total
+    return sum(count * HUGEPAGE_BYTES[size] for size, count in reserved_hugepages().items())
 
 
 class NodeReporter:

@@ -124,13 +124,19 @@ def _raid(steps: list[Step], devices: Sequence[str], name: str, state: NodeState
     return md
 
 
-def probe(c: EngineConfig) -> NodeState:
-    """Read the node's state: sysfs, /proc/mdstat, blkid, /proc/mounts."""
+def reserved_hugepages() -> dict[str, int]:
+    """Pages reserved now, by size, from sysfs (sizes the kernel does not offer are absent)."""
     huge = {}
     for size, nbytes in HUGEPAGE_BYTES.items():
         path = Path(SYSFS_HUGEPAGES.format(kb=nbytes // 1024))
         if path.exists():
             huge[size] = int(path.read_text())
+    return huge
+
+
+def probe(c: EngineConfig) -> NodeState:
+    """Read the node's state: sysfs, /proc/mdstat, blkid, /proc/mounts."""
+    huge = reserved_hugepages()
     md_available = Path("/proc/mdstat").exists()
     arrays: dict[str, tuple[str, ...]] = {}
     if md_available:

@@ -67,14 +67,20 @@ def _deployed_config(kube: K.Kube, cache: render.Cache) -> dict[str, Any] | None
     return deployed
 
 
-def _write_node_ids(kube: K.Kube, cache: render.Cache, before: dict[str, int], ids: dict[str, int]) -> None:
+def _write_node_ids(kube: K.Kube, cache: render.Cache, current: dict[str, Any] | None, ids: dict[str, int]) -> None:
+    """Create the NodeID map, or patch ``current`` (the map as read) where the IDs changed."""
     body = render.node_ids_map(cache, ids)
-    name = body["metadata"]["name"]
-    if kube.get(K.CONFIG_MAPS, cache.namespace, name) is None:
+    if current is None:
         kube.create(K.CONFIG_MAPS, body)
-    elif before != ids:
+        return
+    before = _parse_node_ids(current)
+    if before != ids:
         removed: dict[str, Any] = {node: None for node in before.keys() - ids.keys()}  # merge-patch deletes
-        kube.patch(K.CONFIG_MAPS, cache.namespace, name, {"data": {**removed, **body["data"]}})
+        kube.patch(K.CONFIG_MAPS, cache.namespace, body["metadata"]["name"], {"data": {**removed, **body["data"]}})
+
+
+def _parse_node_ids(config_map: dict[str, Any] | None) -> dict[str, int]:
+    return nodeids.parse({k: v for k, v in (config_map or {}).get("data", {}).items() if v is not None})
 
 
 def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: Any) -> dict[str, Any]:
@@ -84,13 +90,13 @@ def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: An
     cache = render.Cache(meta["name"], meta["namespace"], meta.get("uid", ""))
     problem = ""
     selected: list[str] = []
-    reports = _reports(kube, cache.namespace, cache.name)
+    reports = [NodeReport.from_object(r) for r in _reports(kube, cache.namespace, cache.name)]
     try:
         spec = parse_spec(dict(body.get("spec", {})))
         nodes = _selected_nodes(kube, spec)
         selected = sorted(n["metadata"]["name"] for n in nodes)
         check_node_count(len(selected))
-        device_bytes = {r["spec"]["nodeName"]: r.get("status", {}).get("deviceBytes") for r in reports}
+        device_bytes = {r.node: r.device_bytes for r in reports}
         for node in nodes:
             name = node["metadata"]["name"]
             check_node_fit(spec, name, node.get("status", {}).get("allocatable", {}), device_bytes.get(name))
@@ -103,10 +109,8 @@ def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: An
                 raise SpecError(field, f"{why}; this destroys the KV stored on every node. Revert the change, "
                                        "or set spec.wipePolicy: Wipe to allow it")  # fmt: skip
         ids_map = kube.get(K.CONFIG_MAPS, cache.namespace, render.names(cache)["node_ids"])
-        before = nodeids.parse({k: v for k, v in (ids_map or {}).get("data", {}).items() if v is not None})
-        holding = [r.node for r in map(NodeReport.from_object, reports) if r.holds_data]
-        ids = nodeids.assign(before, selected, holding)
-        _write_node_ids(kube, cache, before, ids)
+        ids = nodeids.assign(_parse_node_ids(ids_map), selected, [r.node for r in reports if r.holds_data])
+        _write_node_ids(kube, cache, ids_map, ids)
         objects = [render.service_account(cache), render.role_binding(cache, agent_cluster_role),
                    render.config_map(cache, wanted), render.daemon_set(spec, cache, wanted),
                    render.service(spec, cache)]  # fmt: skip
@@ -121,7 +125,7 @@ def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: An
         logger.error("not deployed: %s", problem)
         kopf.warn(body, reason="InvalidSpec", message=problem)
     return aggregate(
-        selected=selected, reports=[NodeReport.from_object(r) for r in reports], problem=problem,
+        selected=selected, reports=reports, problem=problem,
         generation=int(meta.get("generation", 0)), previous=dict(body.get("status", {})), now=_now(),
     )  # fmt: skip
 

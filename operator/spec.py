@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flatcake.node_agent.gva import MAX_NODE_ID
+from flatcake.node_agent.prepare import HUGEPAGE_BYTES
 
 GROUP = "flatcake.io"
 VERSION = "v1alpha1"
@@ -166,7 +167,7 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
 
 
 def hugepage_bytes(spec: CacheSpec) -> int:
-    return {"2Mi": 2 << 20, "1Gi": 1 << 30}.get(spec.hugepage_size, 0)
+    return HUGEPAGE_BYTES.get(spec.hugepage_size, 0)
 
 
 def check_node_fit(spec: CacheSpec, node_name: str, allocatable: dict[str, str], device_bytes: int | None) -> None:

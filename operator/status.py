@@ -24,6 +24,7 @@ class NodeReport:
     ssd_capacity: int
     ssd_used: int
     last_error: str
+    device_bytes: int | None = None  # the filesystem under the pool, when reported
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> NodeReport:
@@ -37,6 +38,7 @@ class NodeReport:
             ssd_capacity=int(s.get("ssdCapacityBytes", 0)),
             ssd_used=int(s.get("ssdUsedBytes", 0)),
             last_error=str(s.get("lastError", "")),
+            device_bytes=s.get("deviceBytes"),
         )
 
     @property
