@@ -24,9 +24,13 @@ class Resource:
     def api_version(self) -> str:
         return f"{self.group}/{self.version}" if self.group else self.version
 
+    @property
+    def group_path(self) -> str:
+        """The API group version's path (its discovery document)."""
+        return f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+
     def path(self, namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
-        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
-        parts = [base]
+        parts = [self.group_path]
         if self.namespaced and namespace:
             parts.append(f"namespaces/{namespace}")
         parts.append(self.plural)
@@ -151,7 +155,7 @@ class Kube:
     def has_resource(self, res: Resource) -> bool:
         """Whether the cluster serves this resource (discovery), e.g. a CRD that may be absent."""
         try:
-            listing = self.request("GET", f"/apis/{res.group}/{res.version}" if res.group else f"/api/{res.version}")
+            listing = self.request("GET", res.group_path)
         except KubeError as exc:
             if exc.status == 404:
                 return False

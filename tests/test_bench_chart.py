@@ -14,9 +14,9 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 from helpers.kube_api import admit
 from test_chart import KUBERNETES, helm
+from test_chart import render as render_chart
 
 from flatcake.chart import REPO
 from flatcake.loadgen.traces import read_trace
@@ -66,9 +66,7 @@ COMBINATIONS = {
 
 
 def render(*values: str) -> list[dict[str, Any]]:
-    out = helm("template", "bench", str(CHART), "--namespace", "bench", *values)
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return render_chart(*values, chart=CHART, release="bench", namespace="bench")
 
 
 def find(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:

@@ -54,8 +54,8 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
 
 
-def render(*values: str) -> list[dict[str, Any]]:
-    out = helm("template", "fc", str(CHART), "--namespace", "flatcake", "--include-crds", *values)
+def render(*values: str, chart: Path = CHART, release: str = "fc", namespace: str = "flatcake") -> list[dict[str, Any]]:
+    out = helm("template", release, str(chart), "--namespace", namespace, "--include-crds", *values)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
