@@ -10,9 +10,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from flatcake.errors import FlatCakeError
+
 
 def _bench_restore(args: argparse.Namespace) -> int:
-    from flatcake.loadgen import bench_restore as br
+    from flatcake.loadgen.bench import restore as br
 
     cfg = br.QUICK if args.quick else br.BenchConfig()
     overrides = {
@@ -31,7 +33,7 @@ def _bench_restore(args: argparse.Namespace) -> int:
 
 
 def _bench_agent(args: argparse.Namespace) -> int:
-    from flatcake.loadgen import bench_agent as ba
+    from flatcake.loadgen.bench import agent as ba
 
     report = ba.run(ba.QUICK if args.quick else ba.AgentBenchConfig(), log=lambda m: print(m, file=sys.stderr))
     print(ba.format_table(report))
@@ -47,8 +49,8 @@ def _write_json(path: str | None, report: dict[str, object]) -> None:
 
 
 def _trace_stats(args: argparse.Namespace) -> int:
-    from flatcake.loadgen import trace_stats as ts
-    from flatcake.loadgen.traces import read_trace
+    from flatcake.loadgen.traces import stats as ts
+    from flatcake.loadgen.traces.formats import read_trace
 
     stats, per_block, dist = ts.compute_with_data(read_trace(args.trace, args.limit), progress=not args.quiet)
     print(ts.format_stats(stats))
@@ -60,8 +62,8 @@ def _trace_stats(args: argparse.Namespace) -> int:
 
 
 def _trace_synth(args: argparse.Namespace) -> int:
-    from flatcake.loadgen.synth import SynthConfig, synthesize
-    from flatcake.loadgen.traces import write_trace
+    from flatcake.loadgen.traces.formats import write_trace
+    from flatcake.loadgen.traces.synth import SynthConfig, synthesize
 
     n = write_trace(args.out, synthesize(SynthConfig(args.profile, args.requests, args.seed, args.qps, args.scale)))
     print(f"wrote {n} requests to {args.out}", file=sys.stderr)
@@ -69,7 +71,7 @@ def _trace_synth(args: argparse.Namespace) -> int:
 
 
 def _emulate(args: argparse.Namespace) -> int:
-    from flatcake.loadgen.emulator import EmulatorConfig, serve
+    from flatcake.loadgen.emulator.server import EmulatorConfig, serve
 
     fields = {k: v for k, v in vars(args).items() if k in EmulatorConfig.__dataclass_fields__ and v is not None}
     serve(EmulatorConfig(**fields), args.host, args.port)
@@ -77,8 +79,8 @@ def _emulate(args: argparse.Namespace) -> int:
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
-    from flatcake.loadgen import e2e
-    from flatcake.loadgen import report as R
+    from flatcake.loadgen.bench import e2e
+    from flatcake.loadgen.report import build as R
 
     cfg = e2e.QUICK if args.quick else e2e.E2EConfig()
     if args.trace:
@@ -94,7 +96,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 
 
 def _loadgen_run(args: argparse.Namespace) -> int:
-    from flatcake.loadgen.run import LoadgenConfig, run
+    from flatcake.loadgen.replay.run import LoadgenConfig, run
 
     cfg = LoadgenConfig(host=args.host, trace=args.trace, qps=args.qps, system=args.system, results=args.results,
                         csv_prefix=args.csv, limit=args.limit, api=args.api, max_output=args.max_output,
@@ -104,7 +106,7 @@ def _loadgen_run(args: argparse.Namespace) -> int:
 
 
 def _loadgen_bench(args: argparse.Namespace) -> int:
-    from flatcake.loadgen.staging import StagingBench, bench
+    from flatcake.loadgen.bench.staging import StagingBench, bench
 
     cfg = StagingBench(
         role=args.role, target=args.target, trace=args.trace, results=args.results, qps=tuple(args.qps),
@@ -116,15 +118,15 @@ def _loadgen_bench(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from flatcake.loadgen import report as R
+    from flatcake.loadgen.report import build as R
 
     print(R.format_table(R.write(args.runs, args.out, context=args.context)))
     return 0
 
 
 def _agent_prepare(args: argparse.Namespace) -> int:
-    from flatcake.node_agent import prepare as P
     from flatcake.node_agent.config import EngineConfig
+    from flatcake.node_agent.node import prepare as P
 
     config = EngineConfig.load(args.config)
     steps = P.plan(config, P.probe(config))
@@ -137,16 +139,16 @@ def _agent_prepare(args: argparse.Namespace) -> int:
 
 
 def _agent_reclaim(args: argparse.Namespace) -> int:
-    from flatcake.node_agent import prepare as P
     from flatcake.node_agent.config import EngineConfig
+    from flatcake.node_agent.node import prepare as P
 
     P.reclaim(EngineConfig.load(args.config), log=lambda m: print(m, file=sys.stderr))
     return 0
 
 
 def _agent_serve(args: argparse.Namespace) -> int:
-    from flatcake.node_agent import agent
     from flatcake.node_agent.config import EngineConfig
+    from flatcake.node_agent.service import main as agent
 
     agent.run(EngineConfig.load(args.config))
     return 0
@@ -298,7 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args))
-    except (ValueError, RuntimeError, OSError) as exc:  # includes PrepareError
+    except FlatCakeError as exc:  # each kind has its exit code (flatcake/errors.py)
+        print(f"flatcake: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except (ValueError, RuntimeError, OSError) as exc:  # bad arguments or an environment problem, said plainly
         print(f"flatcake: error: {exc}", file=sys.stderr)
         return 2
 

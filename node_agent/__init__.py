@@ -1,1 +1,107 @@
-"""node_agent"""
+"""The FlatCake node agent and its client library: what a user programs against.
+
+A tour in twenty lines:
+
+- ``EngineConfig`` (with ``DramConfig``, ``SsdConfig``, ``IOConfig``, ...) is the one configuration;
+  ``EngineConfig.load(path)`` reads the JSON the operator renders, and every field error is a
+  ``ConfigError`` naming the field and the fix.
+- ``Engine(config)`` stores and restores KV pages in one process: ``put(keys, kv, Hints(...))`` writes
+  ``[layers][pages][page_bytes]`` uint8 pages, each placed once on DRAM or SSD by its reuse scope
+  (``Hints``: turn, context, reply lengths, prefix refcount, parent key); ``exists(keys)`` gives the
+  stored prefix length; ``get(keys, dest)`` returns a ``Restore`` that yields layers as they land
+  (use it as a context manager, or call ``run()``), reading SSD pages as sorted, merged, layer-major
+  ranges through a bounded staging window.
+- ``connect(socket)`` is the same ``Engine`` whose catalog is the node agent: many processes on a node
+  share one index and one allocator, and move the bytes themselves. ``spawn`` starts an agent process.
+- ``Scheduler`` orders requests by the slowest medium they need (FC-MAS); ``needs_ssd`` is its test.
+- Errors: every failure is a ``FlatCakeError``: ``ConfigError``, ``ProtocolError``, ``CapacityError``
+  (``PoolFullError``), ``NotFoundError`` (``UnknownKeyError``), ``StorageIOError``
+  (``StorageWriteError``), ``FencedError``, ``PrepareError``.
+- ``aligned_empty`` makes 4 KiB-aligned host buffers (O_DIRECT and GDS need them).
+
+Inside, the folders are the layers (imports point downward only; import-linter checks it):
+``policy`` (pure decisions) < ``catalog`` (index, journal, recovery) < ``datapath`` (pools, I/O,
+restores, the engine) < ``node`` (node preparation, reports) < ``service`` (the agent, its protocol
+and client) < ``sglang`` (the HiCache backend). ``config`` and ``constants`` are the contract the
+operator shares.
+"""
+
+from flatcake.errors import (
+    CapacityError,
+    ConfigError,
+    FencedError,
+    FlatCakeError,
+    NotFoundError,
+    PoolFullError,
+    PrepareError,
+    ProtocolError,
+    StorageIOError,
+    StorageWriteError,
+    UnknownHandleError,
+    UnknownKeyError,
+)
+from flatcake.node_agent.catalog.local import LocalCatalog
+from flatcake.node_agent.config import (
+    AgentConfig,
+    DramConfig,
+    EngineConfig,
+    IOConfig,
+    PlacementConfig,
+    SchedulerConfig,
+    SsdConfig,
+)
+from flatcake.node_agent.datapath.buffers import aligned_empty, round_up
+from flatcake.node_agent.datapath.engine import Engine, PutResult, local_table
+from flatcake.node_agent.datapath.file_pool import create_pool, open_direct
+from flatcake.node_agent.datapath.io_backends import IOBackend, PosixDirectIO
+from flatcake.node_agent.datapath.restore import Restore
+from flatcake.node_agent.policy.gva import SSD_THRESHOLD, Medium, needs_ssd
+from flatcake.node_agent.policy.placement import Hints, Key
+from flatcake.node_agent.policy.scheduler import Request, Scheduler
+from flatcake.node_agent.service import protocol
+from flatcake.node_agent.service.client import AgentConnection, connect
+from flatcake.node_agent.service.main import spawn
+
+__all__ = [
+    "SSD_THRESHOLD",
+    "AgentConfig",
+    "AgentConnection",
+    "CapacityError",
+    "ConfigError",
+    "DramConfig",
+    "Engine",
+    "EngineConfig",
+    "FencedError",
+    "FlatCakeError",
+    "Hints",
+    "IOBackend",
+    "IOConfig",
+    "Key",
+    "LocalCatalog",
+    "Medium",
+    "NotFoundError",
+    "PlacementConfig",
+    "PoolFullError",
+    "PosixDirectIO",
+    "PrepareError",
+    "ProtocolError",
+    "PutResult",
+    "Request",
+    "Restore",
+    "Scheduler",
+    "SchedulerConfig",
+    "SsdConfig",
+    "StorageIOError",
+    "StorageWriteError",
+    "UnknownHandleError",
+    "UnknownKeyError",
+    "aligned_empty",
+    "connect",
+    "create_pool",
+    "local_table",
+    "needs_ssd",
+    "open_direct",
+    "protocol",
+    "round_up",
+    "spawn",
+]

@@ -1,5 +1,8 @@
-"""The engine configuration: one file, rendered by the operator from a FlatCakeCache spec and read by
-the agent and the engine. Every field is validated here, and errors name the field and the fix."""
+"""The engine configuration: one typed model, rendered by the operator from a FlatCakeCache spec
+(which validates it before anything reaches a node) and read by the agent and the engine. Every field
+is validated here, and a ``ConfigError`` names the field and the fix.
+
+This is the contract between the operator and the node agent: it imports only ``constants``."""
 
 from __future__ import annotations
 
@@ -10,12 +13,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from flatcake.node_agent.buffers import ALIGN
-from flatcake.node_agent.gva import MAX_NODE_ID
-from flatcake.node_agent.placement import PlacementConfig
+from flatcake.errors import ConfigError
+from flatcake.node_agent.constants import (
+    ALIGN,
+    EXTENT_POLICIES,
+    HUGEPAGE_SIZES,
+    IO_BACKENDS,
+    JOURNAL_FSYNC_POLICIES,
+    MAX_NODE_ID,
+    SCHEDULER_POLICIES,
+    watermark_problem,
+)
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Thresholds of Table 2. The paper gives the signals, not values; these defaults are ours.
+
+    - ``agent_context_tokens`` (L_agent, default 32,768): contexts this long are agent sessions or long
+      documents whose history outgrows DRAM; the paper's Claude Code trace averages 218,922 tokens.
+    - ``agent_reply_tokens`` (τ, default 2,048): a reply this long marks tool-heavy agent work.
+    - ``short_reply_tokens`` (default 512): previous replies at most this long make a short chat.
+    """
+
+    agent_context_tokens: int = 32_768
+    agent_reply_tokens: int = 2_048
+    short_reply_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        _positive(self, "agent_context_tokens", "agent_reply_tokens", "short_reply_tokens", prefix="placement.")
 
 
 @dataclass(frozen=True)
@@ -75,7 +104,7 @@ class AgentConfig:
 class SchedulerConfig:
     """Handed to clients at registration: how they order restores (FC-MAS, or FCFS for ablation)."""
 
-    policy: str = "mas"  # mas | fcfs
+    policy: str = "mas"  # SCHEDULER_POLICIES: mas | fcfs
 
 
 @dataclass(frozen=True)
@@ -107,53 +136,46 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _positive(self, "layers", "page_tokens")
         if self.page_bytes <= 0 or self.page_bytes % ALIGN:
-            raise ValueError(
+            raise ConfigError(
                 f"page_bytes: {self.page_bytes} must be a positive multiple of {ALIGN} "
                 "(pad the page to 4 KiB: O_DIRECT and GDS need aligned offsets)"
             )
         if not 0 <= self.node_id <= MAX_NODE_ID:
-            raise ValueError(f"node_id: {self.node_id} must be within 0..{MAX_NODE_ID}")
+            raise ConfigError(f"node_id: {self.node_id} must be within 0..{MAX_NODE_ID}")
         if self.ssd.file_bytes % ALIGN or self.ssd.file_bytes < self.layers * self.page_bytes:
-            raise ValueError(
+            raise ConfigError(
                 f"ssd.file_bytes: {self.ssd.file_bytes} must be a multiple of {ALIGN} and hold "
                 f"at least one page of all layers ({self.layers * self.page_bytes} bytes)"
             )
         _positive(self.ssd, "file_count", prefix="ssd.")
-        if self.ssd.extent_policy not in ("warn", "refuse"):
-            raise ValueError(f"ssd.extent_policy: {self.ssd.extent_policy!r} must be 'warn' or 'refuse'")
-        if not 0 < self.ssd.low_watermark <= self.ssd.high_watermark <= 1:
-            raise ValueError(
-                "ssd.low_watermark/high_watermark: need 0 < low <= high <= 1, got "
-                f"{self.ssd.low_watermark} and {self.ssd.high_watermark}"
-            )
+        _one_of(self.ssd.extent_policy, EXTENT_POLICIES, "ssd.extent_policy")
+        problem = watermark_problem(self.ssd.low_watermark, self.ssd.high_watermark)
+        if problem:
+            raise ConfigError(f"ssd.low_watermark/high_watermark: {problem}")
         if self.dram.bytes < 0:
-            raise ValueError(f"dram.bytes: {self.dram.bytes} must be >= 0")
+            raise ConfigError(f"dram.bytes: {self.dram.bytes} must be >= 0")
         _positive(self.io, "workers", "staging_layers", "streams", prefix="io.")
         if self.io.gap_bytes < 0:
-            raise ValueError(f"io.gap_bytes: {self.io.gap_bytes} must be >= 0")
+            raise ConfigError(f"io.gap_bytes: {self.io.gap_bytes} must be >= 0")
         if self.io.staging_slot_bytes % ALIGN or self.io.staging_slot_bytes < self.page_bytes:
-            raise ValueError(
+            raise ConfigError(
                 f"io.staging_slot_bytes: {self.io.staging_slot_bytes} must be a multiple of "
                 f"{ALIGN} and at least page_bytes ({self.page_bytes})"
             )
-        if self.agent.journal_fsync not in ("always", "interval", "never"):
-            raise ValueError(f"agent.journal_fsync: {self.agent.journal_fsync!r} must be always, interval or never")
+        _one_of(self.agent.journal_fsync, JOURNAL_FSYNC_POLICIES, "agent.journal_fsync")
         if not 0 <= self.agent.metrics_port <= 65535:
-            raise ValueError(f"agent.metrics_port: {self.agent.metrics_port} is not a TCP port (0 picks a free one)")
+            raise ConfigError(f"agent.metrics_port: {self.agent.metrics_port} is not a TCP port (0 picks a free one)")
         _positive(self.agent, "journal_fsync_ms", prefix="agent.")
-        if self.prepare.hugepage_size not in ("2Mi", "1Gi", "none"):
-            raise ValueError(f"prepare.hugepage_size: {self.prepare.hugepage_size!r} must be 2Mi, 1Gi or none")
+        _one_of(self.prepare.hugepage_size, HUGEPAGE_SIZES, "prepare.hugepage_size")
         if self.prepare.devices and not Path(self.ssd.dir).is_relative_to(self.prepare.mount):
-            raise ValueError(f"ssd.dir: {self.ssd.dir} must lie under prepare.mount ({self.prepare.mount}) "
+            raise ConfigError(f"ssd.dir: {self.ssd.dir} must lie under prepare.mount ({self.prepare.mount}) "
                              "when prepare.devices are given")  # fmt: skip
-        if self.scheduler.policy not in ("mas", "fcfs"):
-            raise ValueError(f"scheduler.policy: {self.scheduler.policy!r} must be 'mas' or 'fcfs'")
+        _one_of(self.scheduler.policy, SCHEDULER_POLICIES, "scheduler.policy")
         if self.cluster.cache and not self.cluster.namespace:
-            raise ValueError("cluster.namespace: required with cluster.cache (the FlatCakeCache's namespace)")
+            raise ConfigError("cluster.namespace: required with cluster.cache (the FlatCakeCache's namespace)")
         if self.cluster.report_interval_s <= 0:
-            raise ValueError(f"cluster.report_interval_s: {self.cluster.report_interval_s} must be > 0")
-        if self.io.backend not in ("auto", "posix", "kvikio"):
-            raise ValueError(f"io.backend: {self.io.backend!r} must be 'auto', 'posix' or 'kvikio'")
+            raise ConfigError(f"cluster.report_interval_s: {self.cluster.report_interval_s} must be > 0")
+        _one_of(self.io.backend, IO_BACKENDS, "io.backend")
 
     @property
     def dram_slots(self) -> int:
@@ -168,18 +190,23 @@ class EngineConfig:
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+def _one_of(value: str, allowed: tuple[str, ...], where: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{where}: {value!r} must be one of {', '.join(allowed)}")
+
+
 def _positive(obj: object, *names: str, prefix: str = "") -> None:
     for name in names:
         value = getattr(obj, name)
         if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{prefix}{name}: {value!r} must be a positive integer")
+            raise ConfigError(f"{prefix}{name}: {value!r} must be a positive integer")
 
 
 T = TypeVar("T")
@@ -188,12 +215,12 @@ T = TypeVar("T")
 def _build(cls: type[T], data: Any, path: str) -> T:
     """Build a (nested) config dataclass from plain data, naming the field of any mismatch."""
     if not isinstance(data, dict):
-        raise ValueError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
     hints = get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - fields)
     if unknown:
-        raise ValueError(f"{path or 'config'}: unknown field(s) {unknown}; known: {sorted(fields)}")
+        raise ConfigError(f"{path or 'config'}: unknown field(s) {unknown}; known: {sorted(fields)}")
     values: dict[str, Any] = {}
     for name, value in data.items():
         where = f"{path}{name}"
@@ -219,4 +246,4 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         if get_origin(t) is tuple and isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
             return tuple(value)
     names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
-    raise ValueError(f"{where}: {value!r} is not of type {names}")
+    raise ConfigError(f"{where}: {value!r} is not of type {names}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from flatcake.node_agent.gva import MAX_NODE_ID
+from flatcake.node_agent.constants import MAX_NODE_ID
 from flatcake.operator.spec import SpecError
 
 

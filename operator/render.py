@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from flatcake.node_agent.constants import HUGETLBFS_MOUNTS
 from flatcake.operator.spec import GROUP, VERSION, CacheSpec
 
 CONFIG_KEY = "engine.json"
@@ -17,7 +18,6 @@ CONFIG_DIR = "/etc/flatcake"
 NODE_IDS_DIR = "/etc/flatcake/node-ids"
 RUN_ROOT = "/run/flatcake"  # host directory shared with inference pods: socket and DRAM pool file
 DEVICE_MOUNT_ROOT = "/var/lib/flatcake"  # where prepared arrays are mounted, one folder per cache
-HUGETLBFS = {"2Mi": "/dev/hugepages", "1Gi": "/dev/hugepages1G"}
 AGENT_MEMORY_BYTES = 512 << 20  # the agent's own heap: index, journal buffers, HTTP
 
 
@@ -94,7 +94,7 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
             "bytes": spec.dram_bytes,
             "huge_pages": huge,
             "shm_dir": run_dir,
-            "hugetlbfs_dir": HUGETLBFS.get(spec.hugepage_size),
+            "hugetlbfs_dir": HUGETLBFS_MOUNTS.get(spec.hugepage_size),
             "name": f"flatcake-{cache.instance}",
             "pinned": spec.pinned,
         },
@@ -185,8 +185,8 @@ def _host_volumes(spec: CacheSpec, cache: Cache) -> tuple[list[dict[str, Any]], 
         {"name": "run", "mountPath": f"{RUN_ROOT}/{cache.instance}"},
         {"name": "pool", "mountPath": pool_root(spec, cache), "mountPropagation": "HostToContainer"},
     ]
-    if spec.hugepage_size in HUGETLBFS:
-        path = HUGETLBFS[spec.hugepage_size]
+    if spec.hugepage_size in HUGETLBFS_MOUNTS:
+        path = HUGETLBFS_MOUNTS[spec.hugepage_size]
         volumes.append({"name": "hugepages", "hostPath": {"path": path, "type": "Directory"}})
         mounts.append({"name": "hugepages", "mountPath": path})
     return volumes, mounts
@@ -195,7 +195,7 @@ def _host_volumes(spec: CacheSpec, cache: Cache) -> tuple[list[dict[str, Any]], 
 def _agent_resources(spec: CacheSpec) -> dict[str, Any]:
     memory = AGENT_MEMORY_BYTES
     resources: dict[str, str] = {}
-    if spec.hugepage_size in HUGETLBFS and spec.dram_bytes:
+    if spec.hugepage_size in HUGETLBFS_MOUNTS and spec.dram_bytes:
         resources[f"hugepages-{spec.hugepage_size}"] = str(spec.dram_bytes)
     else:
         memory += spec.dram_bytes  # the pool is tmpfs, charged to the agent's memory cgroup

@@ -10,8 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from flatcake.node_agent.gva import MAX_NODE_ID
-from flatcake.node_agent.prepare import HUGEPAGE_BYTES
+from flatcake.node_agent.constants import HUGEPAGE_BYTES, MAX_NODE_ID
 
 GROUP = "flatcake.io"
 VERSION = "v1alpha1"

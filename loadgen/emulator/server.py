@@ -1,0 +1,651 @@
+"""``flatcake emulate``: an inference server for benchmarking where no GPU is at hand.
+
+What is real: the KV storage. Every prompt page's KV (``layers x page_bytes`` of real bytes) is
+stored and restored through the storage under test: FlatCake's engine (placement, FC-MAS ordering,
+coalesced restore into a bounded window that waits when full), or the tiered baselines (DRAM LRU L2,
+SSD L3 log, a bounded host staging pool), with real I/O on this machine's disk.
+
+What is modelled: the GPU. Prefill of the tokens not found in HBM costs ``tokens /
+prefill_tokens_per_s`` on one GPU that runs one prefill at a time; decode streams ``max_tokens``
+tokens at ``decode_tokens_per_s``. HBM is an LRU prefix cache of ``hbm_bytes``. The defaults are
+scaled for a 2-core test machine, not taken from a GPU: 100,000 prefill tokens/s (the order of an
+8B model's prefill on one H100) and 200 decode tokens/s.
+
+Hits are delivered hits: tokens whose KV is in HBM before prefill starts. In ``tiered`` mode SSD
+(L3) is read only by a prefetch started when the request is admitted, as SGLang HiCache does; it
+needs host staging for its tokens until the request's prefill starts, and when in-flight staging
+would exceed ``staging_tokens`` it is declined and the prefix recomputed (the paper's revocation);
+L3 pages found only at scheduling time are recomputed too. FlatCake restores whatever is on SSD when
+the request is scheduled, streaming into HBM through its bounded window, which waits instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+from flatcake import metrics as M
+from flatcake.loadgen.systems.tiered import TieredStore
+from flatcake.node_agent import (
+    SSD_THRESHOLD,
+    DramConfig,
+    Engine,
+    EngineConfig,
+    Hints,
+    IOConfig,
+    Request,
+    Scheduler,
+    SsdConfig,
+    aligned_empty,
+)
+
+log = logging.getLogger(__name__)
+
+MODES = ("flatcake", "tiered", "dram", "none")
+EMULATOR: web.AppKey[Emulator] = web.AppKey("emulator")
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class EmulatorConfig:
+    mode: str = "flatcake"
+    data_dir: str = ".flatcake-emulator"
+    agent_socket: str | None = None  # flatcake mode: use this node agent instead of an in-process engine
+    page_tokens: int = 256
+    layers: int = 4
+    bytes_per_token_layer: int = 64  # a 256-token page is 16 KiB per layer
+    hbm_bytes: int = 16 * MiB
+    dram_bytes: int = 64 * MiB  # FlatCake's DRAM pool, or the tiered L2
+    ssd_bytes: int = 2048 * MiB  # FlatCake's file pool, or the tiered L3 log
+    scope_file_bytes: int = 8 * MiB  # FlatCake: one session scope's file
+    staging_tokens: int = 32_768  # tiered: host staging for in-flight prefetches
+    prefill_tokens_per_s: float = 100_000.0
+    decode_tokens_per_s: float = 200.0
+    scheduler: str = "mas"  # flatcake only; the tiered modes are FCFS as SGLang schedules
+    prefetchers: int = 2
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_tokens * self.bytes_per_token_layer
+
+    @property
+    def page_span(self) -> int:
+        return self.layers * self.page_bytes
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode: {self.mode!r} must be one of {MODES}")
+        if self.page_bytes % 4096:
+            raise ValueError("page_tokens x bytes_per_token_layer must be a multiple of 4096")
+
+
+def page_keys(tokens: Sequence[int], page_tokens: int) -> list[str]:
+    """Prefix-chained keys of the prompt's full pages (a partial last page is never cached)."""
+    keys, prev = [], b""
+    arr = np.asarray(tokens, dtype=np.int64)
+    for i in range(len(arr) // page_tokens):
+        h = hashlib.blake2b(prev + arr[i * page_tokens : (i + 1) * page_tokens].tobytes(), digest_size=16)
+        prev = h.digest()
+        keys.append(h.hexdigest())
+    return keys
+
+
+@dataclass
+class Outcome:
+    prompt_tokens: int
+    hit_pages: dict[str, int] = field(default_factory=lambda: {"hbm": 0, "dram": 0, "ssd": 0})
+    declined_pages: int = 0
+    unprefetched_pages: int = 0
+    failed_pages: int = 0
+    queue: str = "dram_ready"
+    arrival: float = 0.0
+    prefill_start: float = 0.0
+    first_token: float = 0.0
+
+    def cached_tokens(self, page_tokens: int) -> int:
+        return sum(self.hit_pages.values()) * page_tokens
+
+
+class Storage:
+    """What each mode stores and restores behind HBM."""
+
+    def __init__(self, cfg: EmulatorConfig) -> None:
+        self.cfg = cfg
+        root = Path(cfg.data_dir) / cfg.mode
+        root.mkdir(parents=True, exist_ok=True)
+        self.engine: Engine | None = None
+        self.tiered: TieredStore | None = None
+        self._lock = threading.Lock()  # TieredStore is single-threaded
+        self._kv = aligned_empty((cfg.layers, 1024, cfg.page_bytes))
+        self._kv[...] = np.random.default_rng(0).integers(0, 256, size=self._kv.shape, dtype=np.uint8)
+        if cfg.mode == "flatcake":
+            if cfg.agent_socket:
+                from flatcake.node_agent import connect
+
+                self.engine = connect(cfg.agent_socket, layers=cfg.layers, page_bytes=cfg.page_bytes)
+            else:
+                self.engine = Engine(engine_config(cfg, root))
+        elif cfg.mode in ("tiered", "dram"):
+            bucket = 64 * MiB
+            self.tiered = TieredStore(root, layers=cfg.layers, page_bytes=cfg.page_bytes,
+                                      dram_pages=max(1, cfg.dram_bytes // cfg.page_span), bucket_bytes=bucket,
+                                      buckets=cfg.ssd_bytes // bucket if cfg.mode == "tiered" else 0)  # fmt: skip
+
+    def media(self, keys: list[str]) -> list[str]:
+        """Medium of each page of the stored prefix of ``keys``."""
+        if self.engine is not None:
+            hit = self.engine.exists(keys)
+            if not hit:
+                return []
+            lease = self.engine.catalog.acquire(keys[:hit])
+            self.engine.catalog.release(lease.id)
+            return ["ssd" if loc.gva >= SSD_THRESHOLD else "dram" for loc in lease.locations]
+        if self.tiered is not None:
+            with self._lock:
+                return self.tiered.media(keys)
+        return []
+
+    def restore(self, keys: list[str]) -> int:
+        """Bring pages to HBM (really read them); returns how many of the leading pages arrived."""
+        if not keys:
+            return 0
+        dest = np.empty((self.cfg.layers, len(keys), self.cfg.page_bytes), np.uint8)
+        if self.engine is not None:
+            try:
+                with self.engine.get(keys, dest) as restore:
+                    missing = restore.run()
+            except KeyError:  # reclaimed between lookup and restore: recompute
+                return 0
+            return min(missing) if missing else len(keys)
+        if self.tiered is not None:
+            with self._lock:
+                self.tiered.restore(keys, dest)
+            return len(keys)
+        return 0
+
+    def store(self, keys: list[str], parent: str | None, context_tokens: int, refcount: int) -> None:
+        """Write-through of newly computed pages (in the background; not on the TTFT path)."""
+        for lo in range(0, len(keys), self._kv.shape[1]):
+            chunk = keys[lo : lo + self._kv.shape[1]]
+            kv = aligned_empty((self.cfg.layers, len(chunk), self.cfg.page_bytes))  # contiguous, as put wants
+            kv[...] = self._kv[:, : len(chunk)]
+            if self.engine is not None:
+                hints = Hints(prefix_refcount=refcount, turn=2 if parent else 1,
+                              context_tokens=context_tokens, parent_key=parent)  # fmt: skip
+                try:
+                    self.engine.put(chunk, kv, hints)
+                except (OSError, RuntimeError, ValueError) as exc:  # pool full: the pages stay uncached
+                    log.warning("store failed: %s", exc)
+                    return
+                parent = chunk[-1]
+            elif self.tiered is not None:
+                with self._lock:
+                    self.tiered.put(chunk, kv)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        if self.tiered is not None:
+            self.tiered.close()
+
+
+def engine_config(cfg: EmulatorConfig, root: Path) -> EngineConfig:
+    files = max(4, cfg.ssd_bytes // cfg.scope_file_bytes)
+    return EngineConfig(
+        layers=cfg.layers, page_bytes=cfg.page_bytes, page_tokens=cfg.page_tokens,
+        dram=DramConfig(bytes=cfg.dram_bytes, huge_pages=False, shm_dir=str(root), name="emulator-dram"),
+        ssd=SsdConfig(dir=str(root / "pool"), file_bytes=cfg.scope_file_bytes, file_count=files),
+        io=IOConfig(backend="posix", workers=2, staging_slot_bytes=max(cfg.page_bytes, 2 * MiB)),
+    )  # fmt: skip
+
+
+class Emulator:
+    def __init__(self, cfg: EmulatorConfig) -> None:
+        self.cfg = cfg
+        self.storage = Storage(cfg)
+        self.hbm: OrderedDict[str, None] = OrderedDict()
+        self.pinned: dict[str, int] = {}  # prefetched pages waiting for their prefill: not evicted
+        self.hbm_pages = max(1, cfg.hbm_bytes // cfg.page_span)
+        # Write-time sharing signal: how many different continuations a page has had (a shared
+        # system prompt or a fork point has several; a session's own history has one).
+        self.children: dict[str | None, set[str]] = {}
+        policy = cfg.scheduler if cfg.mode == "flatcake" else "fcfs"
+        self.sched = Scheduler(policy)
+        self.staging_tokens = 0
+        self._cond: asyncio.Condition | None = None
+        self._jobs: dict[str, _Job] = {}
+        self._ids = itertools.count()
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="emulator-io")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="emulator-store")
+        self._tasks: list[asyncio.Task[None]] = []
+        self.registry = CollectorRegistry()
+        m = {n: f(n, self.registry) for n, f in (
+            ("flatcake_requests", M.counter), ("flatcake_prompt_tokens", M.counter),
+            ("flatcake_hit_tokens", M.counter), ("flatcake_miss_tokens", M.counter),
+            ("flatcake_prefetch_declined", M.counter), ("flatcake_prefetch_seconds", M.histogram),
+            ("flatcake_queue_depth", M.gauge), ("flatcake_queue_wait_seconds", M.histogram),
+            ("flatcake_staging_tokens", M.gauge), ("flatcake_server_ttft_seconds", M.histogram),
+            ("flatcake_staging_bytes", M.gauge),
+        )}  # fmt: skip
+        self.m: dict[str, Any] = m
+        # Series exist from the start (at 0), so dashboards and alerts see them before the first event.
+        per_system = (
+            "flatcake_requests",
+            "flatcake_prompt_tokens",
+            "flatcake_prefetch_declined",
+            "flatcake_prefetch_seconds",
+            "flatcake_staging_tokens",
+            "flatcake_staging_bytes",
+            "flatcake_server_ttft_seconds",
+        )
+        for name in per_system:
+            m[name].labels(cfg.mode)
+        self._token_bytes = cfg.layers * cfg.bytes_per_token_layer
+        engine = self.storage.engine
+        if engine is not None:  # FlatCake: what its bounded restore windows hold, read at scrape time
+            gauge = m["flatcake_staging_bytes"]
+            assert isinstance(gauge, Gauge)
+            gauge.labels(cfg.mode).set_function(lambda: engine.windows.in_use_bytes)
+        for medium in ("hbm", "dram", "ssd"):
+            m["flatcake_hit_tokens"].labels(cfg.mode, medium)
+        for reason in ("uncached", "declined", "not_prefetched", "failed"):
+            m["flatcake_miss_tokens"].labels(cfg.mode, reason)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._cond = asyncio.Condition()
+        self._tasks.append(asyncio.create_task(self._gpu_loop()))
+        for _ in range(self.cfg.prefetchers):
+            self._tasks.append(asyncio.create_task(self._prefetch_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._writer.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+        self.storage.close()
+
+    # ---- one request -----------------------------------------------------------------------------
+    async def prefill(self, tokens: Sequence[int]) -> Outcome:
+        """Admit, prefetch, schedule and prefill one prompt; returns when its first token is ready.
+
+        At arrival the prefix is looked up; pages found on SSD are prefetched into HBM in the
+        background (pinned there until this request's prefill). At dispatch whatever is not in HBM
+        by then is looked up again and loaded inline (DRAM, or pages stored meanwhile)."""
+        assert self._cond is not None
+        cfg = self.cfg
+        out = Outcome(len(tokens), arrival=time.monotonic())
+        keys = page_keys(tokens, cfg.page_tokens)
+        hbm = self._hbm_prefix(keys)
+        media = await asyncio.get_running_loop().run_in_executor(self._pool, self.storage.media, keys[hbm:])
+        n_dram = media.index("ssd") if "ssd" in media else len(media)
+        ssd_keys = keys[hbm + n_dram : hbm + len(media)]
+        job = _Job(next(self._ids), keys, ssd_keys, out)
+        req = Request(str(job.id), out.arrival, ssd_bytes=len(ssd_keys) * cfg.page_span)
+        self._jobs[req.id] = job
+        async with self._cond:
+            out.queue = self.sched.arrive(req)
+            self._depths()
+            self._cond.notify_all()
+        await job.done.wait()
+        return out
+
+    def _depths(self) -> None:
+        for queue, depth in self.sched.depths().items():
+            self.m["flatcake_queue_depth"].labels(self.cfg.mode, queue).set(depth)
+
+    def _hbm_prefix(self, keys: list[str]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.hbm:
+            n += 1
+        self._touch(keys[:n])
+        return n
+
+    def _touch(self, keys: list[str]) -> None:
+        # Deepest page first, so the prefix is the most recently used: eviction then takes the
+        # tails of prefixes first, as a radix-tree cache evicts leaves (a page never outlives its prefix).
+        for key in reversed(keys):
+            self.hbm[key] = None
+            self.hbm.move_to_end(key)
+
+    def _pin(self, keys: Sequence[str], delta: int) -> None:
+        for key in keys:
+            n = self.pinned.get(key, 0) + delta
+            if n > 0:
+                self.pinned[key] = n
+            else:
+                self.pinned.pop(key, None)
+
+    def _hbm_insert(self, keys: list[str]) -> None:
+        self._touch(keys)
+        excess = len(self.hbm) - self.hbm_pages
+        for key in list(itertools.islice(self.hbm, max(0, excess) + len(self.pinned))):
+            if excess <= 0:
+                break
+            if key not in self.pinned:
+                del self.hbm[key]
+                excess -= 1
+
+    def _staging_reserve(self, pages: int) -> bool:
+        tokens = pages * self.cfg.page_tokens
+        if self.staging_tokens + tokens > self.cfg.staging_tokens:
+            self.m["flatcake_prefetch_declined"].labels(self.cfg.mode).inc()
+            return False
+        self._staging_add(tokens)
+        return True
+
+    def _staging_release(self, pages: int) -> None:
+        self._staging_add(-pages * self.cfg.page_tokens)
+
+    def _staging_add(self, tokens: int) -> None:
+        self.staging_tokens += tokens
+        self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
+        self.m["flatcake_staging_bytes"].labels(self.cfg.mode).set(self.staging_tokens * self._token_bytes)
+
+    async def _prefetch_loop(self) -> None:
+        """SSD prefetches, in the scheduler's order (HRRN by volume for FlatCake, arrival for FCFS)."""
+        assert self._cond is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            async with self._cond:
+                req = None
+                while req is None:
+                    req = self.sched.next_prefetch(time.monotonic())
+                    if req is None:
+                        await self._cond.wait()
+            job = self._jobs[req.id]
+            started = time.monotonic()
+            # Tiered: host staging holds the pages from now until the request's prefill; none left
+            # means the prefetch is declined and the prefix recomputed. FlatCake streams into HBM
+            # through its bounded window, which waits when full and never declines.
+            if self.cfg.mode != "tiered" or self._staging_reserve(len(job.ssd_keys)):
+                job.staged = len(job.ssd_keys) if self.cfg.mode == "tiered" else 0
+                got = await loop.run_in_executor(self._pool, self.storage.restore, job.ssd_keys)
+                for key in job.ssd_keys[:got]:
+                    job.prefetched[key] = "ssd"
+                self._pin(job.ssd_keys[:got], +1)
+                self._hbm_insert(job.ssd_keys[:got])
+            else:
+                job.declined = len(job.ssd_keys)
+            self.m["flatcake_prefetch_seconds"].labels(self.cfg.mode).observe(time.monotonic() - started)
+            async with self._cond:
+                self.sched.prefetch_done(req.id)
+                self._depths()
+                self._cond.notify_all()
+
+    async def _gpu_loop(self) -> None:
+        """One GPU: prefills one request at a time, in the scheduler's dispatch order."""
+        assert self._cond is not None
+        loop = asyncio.get_running_loop()
+        cfg = self.cfg
+        while True:
+            async with self._cond:
+                req = None
+                while req is None:
+                    req = self.sched.next_dispatch()
+                    if req is None:
+                        await self._cond.wait()
+                self._depths()
+            job = self._jobs.pop(req.id)
+            out = job.outcome
+            out.prefill_start = time.monotonic()
+            self.m["flatcake_queue_wait_seconds"].labels(cfg.mode, out.queue).observe(out.prefill_start - out.arrival)
+            keys = job.keys
+            hits = out.hit_pages
+            cached = 0
+            # Walk the prefix: pages in HBM (resident, or prefetched for this request), then pages
+            # looked up again in storage (stored since arrival count), then HBM again, and so on.
+            while True:
+                while cached < len(keys) and keys[cached] in self.hbm:
+                    hits[job.prefetched.get(keys[cached], "hbm")] += 1
+                    cached += 1
+                if cached == len(keys):
+                    break
+                late = await loop.run_in_executor(self._pool, self.storage.media, keys[cached:])
+                cut = cfg.mode == "tiered" and "ssd" in late
+                if cut:
+                    # A tiered cache reads L3 only through a prefetch started at admission; pages
+                    # that reached SSD since are recomputed. FlatCake restores them now,
+                    # layer-pipelined through its window.
+                    out.unprefetched_pages += len(late) - late.index("ssd")
+                    late = late[: late.index("ssd")]
+                got = await loop.run_in_executor(self._pool, self.storage.restore, keys[cached : cached + len(late)])
+                for medium in late[:got]:
+                    hits[medium] += 1
+                out.failed_pages += len(late) - got
+                cached += got
+                if cut or not late or got < len(late):
+                    break
+            self._touch(keys[:cached])
+            out.declined_pages += job.declined
+            miss_tokens = out.prompt_tokens - cached * cfg.page_tokens
+            await asyncio.sleep(miss_tokens / cfg.prefill_tokens_per_s)
+            if job.staged:
+                self._staging_release(job.staged)  # the prefix is on the GPU now
+            self._pin(list(job.prefetched), -1)
+            self._hbm_insert(keys)  # the whole prompt is in HBM after prefill
+            new = keys[cached:]
+            if new:
+                parent = keys[cached - 1] if cached else None
+                kids = self.children.setdefault(parent, set()) if parent else {new[0]}
+                kids.add(new[0])
+                # New pages stay in HBM until their write-back is done (HiCache evicts only backed-up
+                # pages), so a next turn arriving meanwhile still finds them.
+                self._pin(new, +1)
+                done = self._writer.submit(self._store, new, parent, out.prompt_tokens, len(kids))
+                done.add_done_callback(self._unpin_later(loop, new))
+            out.first_token = time.monotonic()
+            self._count(out, miss_tokens)
+            job.done.set()
+
+    def _unpin_later(self, loop: asyncio.AbstractEventLoop, keys: list[str]) -> Callable[[Future[None]], None]:
+        """A done-callback (run on the writer thread) that unpins ``keys`` on the event loop."""
+
+        def unpin(_: Future[None]) -> None:
+            loop.call_soon_threadsafe(self._pin, keys, -1)
+
+        return unpin
+
+    def _store(self, keys: list[str], parent: str | None, context_tokens: int, refcount: int) -> None:
+        try:
+            self.storage.store(keys, parent, context_tokens, refcount)
+        except Exception:  # a background write must not die silently
+            log.exception("storing %d pages failed", len(keys))
+
+    def _count(self, out: Outcome, miss_tokens: int) -> None:
+        mode, pt = self.cfg.mode, self.cfg.page_tokens
+        self.m["flatcake_requests"].labels(mode).inc()
+        self.m["flatcake_prompt_tokens"].labels(mode).inc(out.prompt_tokens)
+        for medium, pages in out.hit_pages.items():
+            self.m["flatcake_hit_tokens"].labels(mode, medium).inc(pages * pt)
+        declined, failed = out.declined_pages * pt, max(0, out.failed_pages) * pt
+        late = out.unprefetched_pages * pt
+        self.m["flatcake_miss_tokens"].labels(mode, "declined").inc(declined)
+        self.m["flatcake_miss_tokens"].labels(mode, "failed").inc(failed)
+        self.m["flatcake_miss_tokens"].labels(mode, "not_prefetched").inc(late)
+        self.m["flatcake_miss_tokens"].labels(mode, "uncached").inc(max(0, miss_tokens - declined - failed - late))
+        self.m["flatcake_server_ttft_seconds"].labels(mode).observe(out.first_token - out.arrival)
+
+    async def decode(self, n: int) -> AsyncIterator[int]:
+        for i in range(n):
+            await asyncio.sleep(1.0 / self.cfg.decode_tokens_per_s)
+            yield i
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    keys: list[str]
+    ssd_keys: list[str]  # found on SSD at arrival: prefetched in the background
+    outcome: Outcome
+    declined: int = 0
+    staged: int = 0  # tiered: pages holding host staging until prefill
+    prefetched: dict[str, str] = field(default_factory=dict)  # key -> medium it was prefetched from
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+# ---- HTTP ----------------------------------------------------------------------------------------
+def _usage(emu: Emulator, out: Outcome, completion: int) -> dict[str, Any]:
+    pt = emu.cfg.page_tokens
+    return {
+        "prompt_tokens": out.prompt_tokens, "completion_tokens": completion,
+        "total_tokens": out.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": out.cached_tokens(pt)},
+        "flatcake": {"hit_tokens": {m: p * pt for m, p in out.hit_pages.items()},
+                     "declined_tokens": out.declined_pages * pt, "queue": out.queue, "system": emu.cfg.mode},
+    }  # fmt: skip
+
+
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(text=json.dumps({"error": {"message": message}}), content_type="application/json")
+
+
+def _prompt(value: Any, field_name: str) -> list[int]:
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        value = value[0]  # OpenAI allows a batch of prompts; one is served
+    if isinstance(value, str):  # no tokenizer here: one token per byte
+        return list(value.encode())
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise _bad_request(f"{field_name}: token ids (list of int) or a string")
+    return value
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except json.JSONDecodeError:
+        raise web.HTTPBadRequest(
+            text='{"error": {"message": "body is not JSON"}}', content_type="application/json"
+        ) from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(
+            text='{"error": {"message": "body must be an object"}}', content_type="application/json"
+        )
+    return body
+
+
+def _max_tokens(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value > 65536:
+        raise _bad_request("max_tokens: an integer in 1..65536")
+    return value
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI ``POST /v1/completions`` (token-id prompts; ``stream`` with server-sent events)."""
+    emu: Emulator = request.app[EMULATOR]
+    body = await _body(request)
+    tokens = _prompt(body.get("prompt"), "prompt")
+    n = _max_tokens(body.get("max_tokens", 16))
+    model = str(body.get("model", "flatcake-emulator"))
+    cid, created = f"cmpl-{next(emu._ids)}", int(time.time())
+    out = await emu.prefill(tokens)
+
+    def chunk(text: str, finish: str | None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        c: dict[str, Any] = {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        }
+        if usage is not None:
+            c["usage"] = usage
+        return c
+
+    if not body.get("stream"):
+        text = "".join([f" t{i}" async for i in emu.decode(n)])
+        return web.json_response(chunk(text, "length", _usage(emu, out, n)))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    await resp.write(b"data: " + json.dumps(chunk(" t0", None)).encode() + b"\n\n")
+    async for i in emu.decode(n - 1):
+        await resp.write(b"data: " + json.dumps(chunk(f" t{i + 1}", None)).encode() + b"\n\n")
+    final = chunk("", "length")
+    include = (body.get("stream_options") or {}).get("include_usage", True)
+    await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+    if include:
+        usage = {**chunk("", None), "choices": [], "usage": _usage(emu, out, n)}
+        await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """SGLang-style ``POST /generate`` with ``input_ids`` and ``sampling_params.max_new_tokens``."""
+    emu: Emulator = request.app[EMULATOR]
+    body = await _body(request)
+    tokens = _prompt(body.get("input_ids"), "input_ids")
+    n = _max_tokens((body.get("sampling_params") or {}).get("max_new_tokens", 16))
+    out = await emu.prefill(tokens)
+
+    def meta(done: int) -> dict[str, Any]:
+        u = _usage(emu, out, done)
+        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": done,
+                "cached_tokens": u["prompt_tokens_details"]["cached_tokens"], "flatcake": u["flatcake"],
+                "finish_reason": {"type": "length", "length": n} if done == n else None}  # fmt: skip
+
+    if not body.get("stream"):
+        text = "".join([f" t{i}" async for i in emu.decode(n)])
+        return web.json_response({"text": text, "meta_info": meta(n)})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    text = " t0"
+    await resp.write(b"data: " + json.dumps({"text": text, "meta_info": meta(1)}).encode() + b"\n\n")
+    async for i in emu.decode(n - 1):
+        text += f" t{i + 1}"
+        await resp.write(b"data: " + json.dumps({"text": text, "meta_info": meta(i + 2)}).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    emu: Emulator = request.app[EMULATOR]
+    return web.Response(body=generate_latest(emu.registry), content_type="text/plain", charset="utf-8")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+def make_app(cfg: EmulatorConfig) -> web.Application:
+    app = web.Application(client_max_size=64 * MiB)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", health)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        app[EMULATOR] = Emulator(cfg)
+        await app[EMULATOR].start()
+        yield
+        await app[EMULATOR].stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+def serve(cfg: EmulatorConfig, host: str, port: int) -> None:
+    if host not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
+        log.warning("emulator listening on %s", host)
+    web.run_app(make_app(cfg), host=host, port=port, print=lambda m: log.warning("%s", m))

@@ -1,0 +1,119 @@
+"""Trace replay, independent of Locust: the schedule, the token ids and one streamed request.
+
+A request's prompt is built from its ``hash_ids``: block ``h`` always becomes the same token ids,
+so requests that share blocks share token prefixes and an engine's prefix cache sees the trace's
+reuse. Timestamps are scaled to a target rate: the trace's own rate times ``qps / native_qps``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from flatcake.loadgen.traces.formats import TraceRequest
+
+VOCAB = 50_000
+
+
+def block_tokens(hash_id: int, n: int) -> list[int]:
+    return ((hash_id * 2_654_435_761 + np.arange(n, dtype=np.int64)) % VOCAB).tolist()
+
+
+def prompt_tokens(r: TraceRequest) -> list[int]:
+    out: list[int] = []
+    for h, n in zip(r.hash_ids, r.block_token_counts(), strict=True):
+        out += block_tokens(h, n)
+    return out
+
+
+@dataclass(frozen=True)
+class Item:
+    index: int
+    at: float  # seconds after the start of the replay
+    request: TraceRequest
+
+
+def schedule(requests: list[TraceRequest], qps: float) -> list[Item]:
+    """Send times scaled so the whole slice arrives at ``qps`` on average, keeping its burstiness."""
+    if not requests:
+        return []
+    t0 = requests[0].timestamp_ms
+    span = (requests[-1].timestamp_ms - t0) / 1000.0
+    native = (len(requests) - 1) / span if span > 0 else 0.0
+    scale = native / qps if native > 0 else 0.0
+    return [Item(i, (r.timestamp_ms - t0) / 1000.0 * scale if scale else i / qps, r) for i, r in enumerate(requests)]
+
+
+@dataclass
+class Record:
+    """What the load generator saw of one request."""
+
+    index: int
+    system: str
+    qps: float
+    scheduled: float
+    sent: float
+    ttft_s: float | None
+    e2e_s: float | None
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    hit_tokens: dict[str, int]
+    ok: bool
+    error: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def body(api: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
+    if api == "openai":
+        return {"model": "flatcake", "prompt": tokens, "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+    if api == "sglang":
+        return {"input_ids": tokens, "sampling_params": {"max_new_tokens": max_tokens}, "stream": True}
+    raise ValueError(f"api: {api!r} must be 'openai' or 'sglang'")
+
+
+def path(api: str) -> str:
+    return "/v1/completions" if api == "openai" else "/generate"
+
+
+def read_stream(api: str, lines: Iterator[bytes], started: float) -> tuple[float | None, int, dict[str, Any]]:
+    """Consume server-sent events; returns (TTFT, output chunks, usage details)."""
+    ttft: float | None = None
+    chunks = 0
+    usage: dict[str, Any] = {}
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        event = json.loads(data)
+        if api == "openai":
+            if event.get("choices") and event["choices"][0].get("text"):
+                chunks += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+            if event.get("usage"):
+                u = event["usage"]
+                usage = {
+                    "cached": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                    "hits": (u.get("flatcake") or {}).get("hit_tokens", {}),
+                    "output": u.get("completion_tokens", 0),
+                }
+        else:
+            chunks += 1
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            m = event.get("meta_info", {})
+            usage = {"cached": m.get("cached_tokens", 0), "hits": (m.get("flatcake") or {}).get("hit_tokens", {}),
+                     "output": m.get("completion_tokens", 0)}  # fmt: skip
+    return ttft, chunks, usage

@@ -1,0 +1,87 @@
+"""``flatcake loadgen run``: Locust, headless, replaying a trace against an inference endpoint.
+
+Locally the target must be on loopback (``--allow-remote`` is for staging clusters). Every run is
+bounded: it stops when its share of the trace is answered, and ``--run-time`` (the schedule's span
+plus a margin) stops it in any case.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from flatcake.loadgen.replay.requests import schedule
+from flatcake.loadgen.traces.formats import read_trace
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+
+
+@dataclass(frozen=True)
+class LoadgenConfig:
+    host: str
+    trace: str
+    qps: float
+    system: str
+    results: str
+    csv_prefix: str | None = None
+    limit: int | None = None
+    api: str = "openai"
+    max_output: int = 16
+    users: int = 64
+    role: str = "local"  # local | master | worker
+    master_host: str = "127.0.0.1"
+    master_port: int = 5557  # master: bind port; worker: where the master listens
+    workers: int = 1  # processes that share the trace (master: how many to expect)
+    allow_remote: bool = False
+    metrics_port: int = 0  # serve the load generator's Prometheus metrics (on loopback, worker i: port + i)
+    metrics_host: str = "127.0.0.1"
+    margin_s: float = 120.0
+
+
+def check_loopback(url: str) -> None:
+    host = urlparse(url).hostname or ""
+    try:
+        addrs = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        raise ValueError(f"host: cannot resolve {host!r}") from None
+    if not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise ValueError(f"host: {url} is not on loopback; local runs only target this machine "
+                         "(pass --allow-remote for a staging cluster)")  # fmt: skip
+
+
+def command(cfg: LoadgenConfig) -> list[str]:
+    reqs = list(read_trace(cfg.trace, cfg.limit))
+    span = schedule(reqs, cfg.qps)[-1].at if reqs else 0.0
+    exe = Path(sys.executable).parent / "locust"
+    cmd = [str(exe), "-f", str(LOCUSTFILE), "--headless", "--host", cfg.host, "--only-summary",
+           "--trace", cfg.trace, "--qps", str(cfg.qps), "--api", cfg.api, "--max-output", str(cfg.max_output),
+           "--results", cfg.results, "--system", cfg.system, "--replay-workers", str(cfg.workers),
+           "--run-time", f"{int(span + cfg.margin_s)}s", "--stop-timeout", "60"]  # fmt: skip
+    if cfg.limit:
+        cmd += ["--trace-limit", str(cfg.limit)]
+    if cfg.metrics_port:
+        cmd += ["--metrics-port", str(cfg.metrics_port), "--metrics-host", cfg.metrics_host]
+    if cfg.role != "worker":
+        cmd += ["-u", str(cfg.users), "-r", str(cfg.users)]
+    if cfg.csv_prefix and cfg.role != "worker":
+        cmd += ["--csv", cfg.csv_prefix]
+    if cfg.role == "master":
+        cmd += ["--master", "--expect-workers", str(cfg.workers), "--master-bind-port", str(cfg.master_port)]
+    elif cfg.role == "worker":
+        cmd += ["--worker", "--master-host", cfg.master_host, "--master-port", str(cfg.master_port)]
+    return cmd
+
+
+def run(cfg: LoadgenConfig, quiet: bool = True) -> int:
+    if not cfg.allow_remote:
+        check_loopback(cfg.host)
+    if cfg.qps <= 0:
+        raise ValueError(f"qps: {cfg.qps} must be > 0")
+    Path(cfg.results).parent.mkdir(parents=True, exist_ok=True)
+    out = subprocess.DEVNULL if quiet else None
+    return subprocess.run(command(cfg), stdout=out, stderr=out, check=False).returncode

@@ -1,0 +1,18 @@
+"""The storage systems the benchmarks compare, behind one interface (``base.System``): FlatCake's
+adapter and the baselines a user would otherwise pick."""
+
+from collections.abc import Callable
+from pathlib import Path
+
+from flatcake.loadgen.systems.base import RestoreCounters, System, SystemSpec
+from flatcake.loadgen.systems.flatcake import FlatCakeSystem
+from flatcake.loadgen.systems.per_block import PerBlockSystem
+from flatcake.loadgen.systems.tiered import TieredSystem
+
+SYSTEMS: dict[str, Callable[[Path, SystemSpec], System]] = {
+    "flatcake": FlatCakeSystem,
+    "tiered": TieredSystem,
+    "per_block": PerBlockSystem,
+}
+
+__all__ = ["SYSTEMS", "FlatCakeSystem", "PerBlockSystem", "RestoreCounters", "System", "SystemSpec", "TieredSystem"]

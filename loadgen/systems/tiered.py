@@ -1,0 +1,170 @@
+"""The tiered baseline: a DRAM LRU (L2) whose evictions append to an SSD log (L3) in eviction order;
+SSD space is reclaimed in fixed-size buckets, oldest first (Mooncake-style). A restore reads
+page-layer by page-layer into a host staging buffer sized to the whole request (``O(context)``), then
+copies out. For measurement only, with real I/O through the same O_DIRECT primitives FlatCake uses.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+
+from flatcake.loadgen.systems.base import Array, MiB, RestoreCounters, SystemSpec
+from flatcake.node_agent import Hints, Key, PosixDirectIO, aligned_empty, create_pool
+
+
+class TieredStore:
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        layers: int,
+        page_bytes: int,
+        dram_pages: int,
+        bucket_bytes: int,
+        buckets: int,
+        workers: int = 2,
+    ) -> None:
+        self.layers, self.page_bytes = layers, page_bytes
+        self.page_span = layers * page_bytes  # a page is logged page-major: its layers back to back
+        if bucket_bytes % self.page_span:
+            bucket_bytes -= bucket_bytes % self.page_span
+        if bucket_bytes <= 0:
+            raise ValueError("bucket_bytes: must hold at least one page of all layers")
+        self.bucket_bytes, self.buckets = bucket_bytes, buckets
+        # buckets=0: DRAM only (an L2 cache with no L3): evicted pages are simply dropped.
+        files = create_pool(directory, buckets, bucket_bytes).files if buckets else []
+        self.io = PosixDirectIO([str(Path(directory) / f) for f in files], workers)
+        self.dram_pages = dram_pages
+        self.l2: OrderedDict[Key, Array] = OrderedDict()
+        self.l3: dict[Key, tuple[int, int]] = {}  # key -> (bucket, offset)
+        self._bucket_keys: list[list[Key]] = [[] for _ in range(buckets)]
+        self._bucket, self._cursor = 0, 0
+        self._write_buf = aligned_empty(self.page_span)
+        self.counters = RestoreCounters()
+        self.reclaimed_buckets = 0
+        self.invalidated_pages = 0
+        self.dropped_pages = 0
+
+    def put(self, keys: Sequence[Key], kv: Array) -> None:
+        """New pages always enter DRAM; whatever falls off the LRU end goes to the SSD log."""
+        for i, key in enumerate(keys):
+            if key in self.l2:
+                self.l2.move_to_end(key)
+                continue
+            self.l2[key] = np.ascontiguousarray(kv[:, i])
+            while len(self.l2) > self.dram_pages:
+                self._evict()
+
+    def flush(self) -> None:
+        """Evict everything from DRAM, as sustained pressure would; restores then come from SSD."""
+        while self.l2:
+            self._evict()
+
+    def _evict(self) -> None:
+        key, page = self.l2.popitem(last=False)
+        if not self.buckets:
+            self.dropped_pages += 1
+            return
+        if self._cursor + self.page_span > self.bucket_bytes:
+            self._bucket = (self._bucket + 1) % self.buckets
+            self._cursor = 0
+            if self._bucket_keys[self._bucket]:  # FIFO bucket reclaim: whatever lived there is gone
+                self.reclaimed_buckets += 1
+                for k in self._bucket_keys[self._bucket]:
+                    if self.l3.get(k, (-1, 0))[0] == self._bucket:
+                        del self.l3[k]
+                        self.invalidated_pages += 1
+                self._bucket_keys[self._bucket] = []
+        self._write_buf.reshape(self.layers, self.page_bytes)[...] = page
+        self.io.submit_write(0, self._bucket, self._cursor, [self._write_buf]).result()
+        self.l3[key] = (self._bucket, self._cursor)
+        self._bucket_keys[self._bucket].append(key)
+        self._cursor += self.page_span
+
+    def exists(self, keys: Sequence[Key]) -> int:
+        for i, key in enumerate(keys):
+            if key not in self.l2 and key not in self.l3:
+                return i
+        return len(keys)
+
+    def media(self, keys: Sequence[Key]) -> list[str]:
+        """Where each page of the stored prefix is: "dram" (L2) or "ssd" (L3)."""
+        out = []
+        for key in keys[: self.exists(keys)]:
+            out.append("dram" if key in self.l2 else "ssd")
+        return out
+
+    def restore(self, keys: Sequence[Key], dest: Array) -> int:
+        """Restore into ``dest[layer, i]``; returns pages missing. Reads one page-layer per command."""
+        n, pb = len(keys), self.page_bytes
+        staging = aligned_empty((self.layers, n, pb))  # the whole prefix is staged in host memory
+        c = self.counters
+        c.staging_peak_bytes = max(c.staging_peak_bytes, staging.nbytes)
+        pending: list[tuple[int, Future[int]]] = []
+        rr = 0
+        for layer in range(self.layers):
+            for i, key in enumerate(keys):
+                if key in self.l2:
+                    staging[layer, i] = self.l2[key][layer]
+                    continue
+                where = self.l3.get(key)
+                if where is None:
+                    continue
+                bucket, offset = where
+                pending.append((i, self.io.submit_read(rr, bucket, offset + layer * pb, staging[layer, i])))
+                rr += 1
+        missing = set(i for i, k in enumerate(keys) if k not in self.l2 and k not in self.l3)
+        for i, fut in pending:
+            try:
+                got = fut.result()
+            except OSError:
+                got = -1
+            c.read_commands += 1
+            c.bytes_read += max(got, 0)
+            if got != pb:
+                missing.add(i)
+        c.bytes_requested += n * self.layers * pb
+        dest[:, :n] = staging
+        c.missing += len(missing)
+        return len(missing)
+
+    def close(self) -> None:
+        self.io.close()
+
+
+class TieredSystem:
+    name = "tiered"
+
+    def __init__(self, directory: Path, spec: SystemSpec) -> None:
+        pages = spec.total_pages
+        bucket = 64 * MiB
+        self.store = TieredStore(
+            directory,
+            layers=spec.layers,
+            page_bytes=spec.page_bytes,
+            dram_pages=max(1, int(pages * spec.dram_fraction)),
+            bucket_bytes=bucket,
+            buckets=-(-pages * spec.page_span // bucket) + 2,
+            workers=spec.workers,
+        )
+
+    def put(self, keys: Sequence[Key], kv: Array, hints: Hints) -> None:
+        self.store.put(keys, kv)
+
+    def prepare(self) -> None:
+        self.store.flush()
+        self.store.counters = RestoreCounters()
+
+    def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int:
+        return self.store.restore(keys, dest)
+
+    def counters(self) -> RestoreCounters:
+        return self.store.counters
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,178 @@
+"""The catalog: the engine's metadata service. Allocation, publication, lookup, leases, journal.
+
+The engine's data path (writing and restoring bytes) talks to a catalog through five calls. In one
+process that is a ``LocalCatalog``; on a node, the agent owns the one ``LocalCatalog`` and clients
+reach it over the control socket (``client.RemoteCatalog``), so every inference process shares one
+index, one allocator and one reclaim policy while moving the bytes itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+from flatcake.errors import UnknownHandleError, UnknownKeyError
+from flatcake.node_agent.catalog.journal import Journal, publish_record
+from flatcake.node_agent.config import PlacementConfig
+from flatcake.node_agent.policy.gva import Medium
+from flatcake.node_agent.policy.placement import Hints, Key, PlacementCounts, decide
+from flatcake.node_agent.policy.scopes import Location, Reservation, Scope, ScopeTable, Segment
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Space for the new pages of a put. ``index`` are their positions in the put's key list; SSD
+    segments count pages within ``index``; DRAM has one slot per page."""
+
+    id: int
+    index: list[int]
+    medium: Medium
+    reason: str
+    segments: list[Segment] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Pinned locations of a get's pages, held until released."""
+
+    id: int
+    locations: list[Location]
+
+
+class Catalog(Protocol):
+    def allocate(self, keys: Sequence[Key], hints: Hints) -> Allocation | None: ...
+    def publish(self, alloc_id: int, checksums: Sequence[int]) -> None: ...
+    def abort(self, alloc_id: int) -> None: ...
+    def exists(self, keys: Sequence[Key]) -> int: ...
+    def acquire(self, keys: Sequence[Key]) -> Lease: ...
+    def release(self, lease_id: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def page_checksum(pages: Any, j: int) -> int:
+    """crc32 of page ``j`` of a ``[layers][pages][page_bytes]`` buffer, layer 0 first."""
+    crc = 0
+    for layer in range(pages.shape[0]):
+        crc = zlib.crc32(pages[layer, j], crc)
+    return crc
+
+
+class LocalCatalog:
+    """``ScopeTable`` plus placement, handles and (optionally) the journal."""
+
+    def __init__(self, table: ScopeTable, placement: PlacementConfig, journal: Journal | None = None) -> None:
+        self.table = table
+        self.placement = placement
+        self.placements = PlacementCounts()
+        self.journal = journal
+        self._allocs: dict[int, tuple[Reservation, list[int]]] = {}
+        self._leases: dict[int, set[int]] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._crc: dict[Key, int] = {}  # per-page checksums, kept for journal compaction
+        table.on_free = self._freed
+
+    def _freed(self, scope: Scope) -> None:
+        if self.journal is not None:
+            self.journal.append({"t": "free", "scope": scope.id})
+        for key in scope.keys:
+            self._crc.pop(key, None)
+
+    def allocate(self, keys: Sequence[Key], hints: Hints) -> Allocation | None:
+        t = self.table
+        with t.lock:
+            new = t.new_keys(keys)
+            if not new:
+                return None
+            # Pages extending a stored prefix join its scope: the parent is the last stored page before
+            # the first new one, or the caller's hint.
+            parent = keys[new[0] - 1] if new[0] > 0 else hints.parent_key
+            res = t.reserve([keys[i] for i in new], parent, decide(hints, self.placement))
+        alloc_id = next(self._ids)
+        with self._lock:
+            self._allocs[alloc_id] = (res, new)
+        return Allocation(alloc_id, new, res.scope.medium, res.decision.reason.value, res.segments, res.slots)
+
+    def _take(self, alloc_id: int) -> Reservation:
+        with self._lock:
+            entry = self._allocs.pop(alloc_id, None)
+        if entry is None:
+            raise UnknownHandleError(f"allocation {alloc_id}: unknown (published, aborted or expired)")
+        return entry[0]
+
+    def publish(self, alloc_id: int, checksums: Sequence[int]) -> None:
+        res = self._take(alloc_id)
+        if len(checksums) != len(res.keys):
+            self.table.abort(res)
+            raise ValueError(f"checksums: {len(checksums)} given for {len(res.keys)} pages; allocation aborted")
+        if self.journal is not None:  # durable before visible
+            self.journal.append(publish_record(res.scope, res.keys, res.locations, res.slots, checksums))
+        self._crc.update(zip(res.keys, checksums, strict=True))
+        self.table.publish(res)
+        self.placements.add(res.decision, len(res.keys))
+
+    def abort(self, alloc_id: int) -> None:
+        self.table.abort(self._take(alloc_id))
+
+    def exists(self, keys: Sequence[Key]) -> int:
+        return self.table.hit_prefix(keys)
+
+    def acquire(self, keys: Sequence[Key]) -> Lease:
+        t = self.table
+        found = t.lookup_many(keys)
+        if None in found:
+            i = found.index(None)
+            raise UnknownKeyError(
+                f"keys[{i}]: {keys[i]!r} is not stored; restore only the hit prefix that exists() reports "
+                "and recompute the rest"
+            )
+        locs = cast(list[Location], found)
+        vanished = t.pin(keys, locs)
+        if vanished:
+            i = vanished[0]
+            raise UnknownKeyError(f"keys[{i}]: {keys[i]!r} was reclaimed while resolving; recompute it")
+        lease_id = next(self._ids)
+        with self._lock:
+            self._leases[lease_id] = set(map(operator.itemgetter(0), locs))
+        return Lease(lease_id, locs)
+
+    def release(self, lease_id: int) -> None:
+        with self._lock:
+            scopes = self._leases.pop(lease_id, None)
+        if scopes is None:
+            raise UnknownHandleError(f"lease {lease_id}: unknown (released already or expired)")
+        self.table.unpin(scopes)
+
+    def adopt(self, scope: Scope, entries: dict[Key, Location], checksums: dict[Key, int]) -> None:
+        """Serve a recovered scope's pages again (recovery only)."""
+        self.table.adopt(scope, entries)
+        self._crc.update(checksums)
+
+    def close(self) -> None:
+        """The journal, if any, belongs to whoever opened it (the agent)."""
+
+    def handles(self) -> tuple[int, int]:
+        """Open allocations and leases."""
+        with self._lock:
+            return len(self._allocs), len(self._leases)
+
+    def snapshot_records(self) -> list[dict[str, Any]]:
+        """The live state as journal records, for compaction."""
+        out: list[dict[str, Any]] = []
+        with self.table.lock:
+            for scope in self.table.scopes.values():
+                if not scope.keys:
+                    continue
+                locs = [self.table.entries[k] for k in scope.keys]
+                crc = [self._crc.get(k, 0) for k in scope.keys]
+                out.append(publish_record(scope, scope.keys, locs, scope.slots, crc))
+        return out

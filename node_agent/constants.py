@@ -1,0 +1,34 @@
+"""Facts the node agent, the operator and the benchmarks share, each defined once.
+
+The operator may import this module and ``config`` and nothing else of the node agent (import-linter
+checks it), so it holds plain values only: no I/O and no imports from the rest of the package.
+"""
+
+from __future__ import annotations
+
+ALIGN = 4096
+"""Byte alignment of every pool offset, page and staging slice: O_DIRECT and libcufile DMA need it."""
+
+NODE_BITS = 12
+MAX_NODE_ID = (1 << NODE_BITS) - 1
+"""NodeIDs are the 12-bit field ``[59:48]`` of a GVA: at most 4,096 nodes per cache."""
+
+HUGEPAGE_BYTES = {"2Mi": 2 << 20, "1Gi": 1 << 30}
+HUGEPAGE_SIZES = (*HUGEPAGE_BYTES, "none")
+HUGETLBFS_MOUNTS = {"2Mi": "/dev/hugepages", "1Gi": "/dev/hugepages1G"}
+"""Where a node mounts hugetlbfs for each page size (1 GiB pages need their own mount)."""
+
+SCHEDULER_POLICIES = ("mas", "fcfs")
+"""FC-MAS, or one FCFS queue (the paper's ablation)."""
+
+IO_BACKENDS = ("auto", "posix", "kvikio")
+JOURNAL_FSYNC_POLICIES = ("always", "interval", "never")
+EXTENT_POLICIES = ("warn", "refuse")
+
+
+def watermark_problem(low: float, high: float) -> str | None:
+    """Why a pair of SSD reclaim watermarks is invalid, or None: reclaim starts above ``high`` and
+    frees whole scopes until usage is at most ``low``, so ``0 < low <= high <= 1``."""
+    if 0 < low <= high <= 1:
+        return None
+    return f"need 0 < low <= high <= 1, got low={low} and high={high}"

@@ -1,0 +1,285 @@
+"""The FlatCake storage engine: ``put`` / ``exists`` / ``get`` over DRAM and SSD as peer media.
+
+Write path (FC-GVA): placement picks the medium once; space is reserved (GVAs allocated), bytes are
+written, and only then are the keys published. Read path (FC-CIO): keys resolve to locations, SSD
+page-layers are sorted and merged into few large reads, streamed layer by layer through a bounded
+window and scattered into the caller's (non-contiguous) page slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from flatcake.errors import PoolFullError, StorageWriteError, UnknownKeyError
+from flatcake.node_agent.catalog.local import Allocation, Catalog, LocalCatalog, page_checksum
+from flatcake.node_agent.config import EngineConfig
+from flatcake.node_agent.constants import ALIGN
+from flatcake.node_agent.datapath import gpu
+from flatcake.node_agent.datapath.buffers import aligned_empty, is_aligned
+from flatcake.node_agent.datapath.dram_pool import DramPool
+from flatcake.node_agent.datapath.file_pool import PoolManifest, create_pool
+from flatcake.node_agent.datapath.io_backends import IOBackend, select_backend
+from flatcake.node_agent.datapath.restore import Restore, WindowPool, cupy_scatter, numpy_scatter
+from flatcake.node_agent.datapath.stats import Stats
+from flatcake.node_agent.policy import gva as G
+from flatcake.node_agent.policy.coalesce import plan_restore
+from flatcake.node_agent.policy.gva import Medium
+from flatcake.node_agent.policy.placement import Hints, Key
+from flatcake.node_agent.policy.scopes import ScopeTable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "Hints", "PoolFullError", "PutResult", "StorageWriteError", "UnknownKeyError"]
+
+
+@dataclass(frozen=True)
+class PutResult:
+    stored: int  # pages written now
+    skipped: int  # pages already stored (or being stored by another writer)
+    medium: Medium | None
+    reason: str
+
+
+def local_table(c: EngineConfig) -> ScopeTable:
+    return ScopeTable(
+        node_id=c.node_id,
+        layers=c.layers,
+        page_bytes=c.page_bytes,
+        file_bytes=c.ssd.file_bytes,
+        files=c.ssd.file_count,
+        dram_slots=c.dram_slots,
+        high_watermark=c.ssd.high_watermark,
+        low_watermark=c.ssd.low_watermark,
+    )
+
+
+class Engine:
+    """The data path over a catalog.
+
+    Alone (``catalog=None``) it creates the pools and keeps its own ``LocalCatalog``. As a client of a
+    node agent (``client.connect``) it attaches to the agent's pools (``dram_path``: the agent's pool
+    file) and asks the agent's catalog over the socket; bytes never pass through the agent.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        io: IOBackend | None = None,
+        catalog: Catalog | None = None,
+        dram_path: str | None = None,
+    ) -> None:
+        self.config = c = config
+        self.stats = Stats()
+        if catalog is None:
+            self.pool = create_pool(c.ssd.dir, c.ssd.file_count, c.ssd.file_bytes, extent_policy=c.ssd.extent_policy)
+        else:
+            self.pool = PoolManifest.load(Path(c.ssd.dir))
+            if (self.pool.count, self.pool.file_bytes) != (c.ssd.file_count, c.ssd.file_bytes):
+                raise ValueError(f"{c.ssd.dir}: pool manifest does not match the agent's configuration")
+        paths = [str(Path(c.ssd.dir) / name) for name in self.pool.files]
+        if io is None:
+            io, why = select_backend(paths, c.io.workers, c.io.backend)
+            log.info("I/O backend %s: %s", io.name, why)
+        self.io = io
+        self.dram = DramPool(
+            c.layers * c.page_bytes,
+            c.dram_slots,
+            name=c.dram.name,
+            want_huge_pages=c.dram.huge_pages,
+            shm_dir=c.dram.shm_dir,
+            hugetlbfs_dir=c.dram.hugetlbfs_dir,
+            attach_path=dram_path,
+        )
+        self._owns_dram = dram_path is None
+        if c.dram.huge_pages and not self.dram.info.huge_pages:
+            self.stats.add("dram_hugepage_fallback")
+        if c.dram.pinned:
+            self.dram.register_with_cuda()
+        # The pool as [slot][layer][page_bytes]: a DRAM page keeps its layers back to back.
+        self._dram3 = self.dram.view[: c.dram_slots * c.layers * c.page_bytes].reshape(
+            c.dram_slots, c.layers, c.page_bytes
+        )
+        self.catalog: Catalog = catalog if catalog is not None else LocalCatalog(local_table(c), c.placement)
+        self.gap_bytes = c.io.gap_bytes  # Δgap; tunable while running
+        # With kvikio, reads land in device memory: the window lives on the GPU and dest is a cupy array.
+        self.on_gpu = self.io.name == "kvikio"
+        alloc = gpu.device_empty if self.on_gpu else aligned_empty
+        self.windows = WindowPool(c.io.streams, c.io.staging_layers, c.io.staging_slot_bytes, self.stats, alloc)
+
+    @property
+    def table(self) -> ScopeTable:
+        """The scope table of an engine with its own catalog."""
+        if not isinstance(self.catalog, LocalCatalog):
+            raise AttributeError("table: this engine uses a remote catalog (the node agent's)")
+        return self.catalog.table
+
+    # ---- write path ------------------------------------------------------------------------------
+    def put(self, keys: Sequence[Key], kv: npt.NDArray[np.uint8], hints: Hints | None = None) -> PutResult:
+        """Store pages ``keys`` from host buffer ``kv`` shaped ``[layers][len(keys)][page_bytes]`` (uint8,
+        C order, 4 KiB aligned). Pages already stored are skipped; the rest are placed, written, then
+        published with a checksum per page."""
+        hints = hints or Hints()
+        self._check_keys(keys, "keys")
+        self._check_kv(kv, len(keys))
+        alloc = self.catalog.allocate(keys, hints)
+        if alloc is None:
+            return PutResult(0, len(keys), None, "all stored")
+        new = alloc.index
+        lo, hi = new[0], new[-1] + 1
+        if hi - lo == len(new):
+            pages = kv[:, lo:hi]
+        else:  # holes among the new pages: gather them into one aligned, layer-major buffer
+            pages = aligned_empty((self.config.layers, len(new), self.config.page_bytes))
+            pages[...] = kv[:, new]
+        try:
+            self._write(alloc, pages)
+        except OSError as exc:
+            self.catalog.abort(alloc.id)
+            self.stats.add("write_errors")
+            raise StorageWriteError(exc.errno, f"put of {len(new)} pages failed, nothing published: {exc}") from exc
+        except BaseException:
+            self.catalog.abort(alloc.id)
+            raise
+        self.catalog.publish(alloc.id, [page_checksum(pages, j) for j in range(len(new))])
+        self.stats.add("put_pages", len(new))
+        self.stats.add("write_bytes_logical", pages.nbytes)
+        return PutResult(len(new), len(keys) - len(new), alloc.medium, alloc.reason)
+
+    def _write(self, alloc: Allocation, pages: npt.NDArray[np.uint8]) -> None:
+        if alloc.slots:
+            self._dram3[alloc.slots] = pages.transpose(1, 0, 2)
+            self.stats.add("write_bytes_dram", pages.nbytes)
+            return
+        futures: list[Future[int]] = []
+        for i, seg in enumerate(alloc.segments):
+            bufs = [pages[layer, seg.first_page : seg.first_page + seg.pages] for layer in range(pages.shape[0])]
+            futures.append(self.io.submit_write(i, seg.file, seg.offset, bufs))
+        errors = [f.exception() for f in futures]
+        for err in errors:
+            if err is not None:
+                raise err
+        written = sum(f.result() for f in futures)
+        self.stats.add("write_bytes_ssd", written)
+        self.stats.add("write_commands", len(futures))
+
+    # ---- read path -------------------------------------------------------------------------------
+    def exists(self, keys: Sequence[Key]) -> int:
+        """Length of the stored prefix of ``keys``."""
+        return self.catalog.exists(keys)
+
+    def get(self, keys: Sequence[Key], dest: npt.NDArray[np.uint8], dest_pages: Sequence[int] | None = None) -> Restore:
+        """Restore ``keys`` into ``dest[layer, dest_pages[i]]``; iterate the result for layers in order.
+
+        ``dest`` is ``[layers][slots][page_bytes]`` uint8; ``dest_pages`` (default ``0..n-1``) names the
+        destination page of each key. Unknown keys are refused before any I/O (ask ``exists`` first);
+        pages that fail to read are reported in ``Restore.missing``.
+        """
+        c = self.config
+        self._check_keys(keys, "keys")
+        pages = self._check_dest(dest, len(keys), dest_pages)
+        lease = self.catalog.acquire(keys)
+        locs = lease.locations
+        gvas = np.fromiter((loc.gva for loc in locs), dtype=np.uint64, count=len(locs))
+        strides = np.fromiter((loc.layer_stride for loc in locs), dtype=np.int64, count=len(locs))
+        on_ssd = gvas >= np.uint64(G.SSD_THRESHOLD)  # the medium is the top field: one compare
+        offsets = (gvas & np.uint64(G.MAX_OFFSET)).astype(np.int64)
+        dst = np.asarray(pages, dtype=np.int64)
+        ssd = np.flatnonzero(on_ssd)
+        file, base = np.divmod(offsets[ssd], c.ssd.file_bytes)
+        fills = plan_restore(file, base, strides[ssd], c.layers, c.page_bytes, self.gap_bytes, c.io.staging_slot_bytes)
+        # Plans index pages of the SSD subset; map them back to destination pages.
+        ssd_dest = dst[ssd]
+        dram_src = offsets[~on_ssd] // (c.layers * c.page_bytes)
+        dram_dst = dst[~on_ssd]
+
+        def copy_dram(layer: int) -> None:
+            if len(dram_src):  # host to host, or one H2D copy from the pinned pool on the GPU path
+                dest[layer, dram_dst] = (
+                    gpu.to_device(self._dram3[dram_src, layer]) if self.on_gpu else (self._dram3[dram_src, layer])
+                )
+
+        self.stats.add("restores")
+        self.stats.add("restore_pages_dram", len(dram_src))
+        self.stats.add("restore_pages_ssd", len(locs) - len(dram_src))
+        return Restore(
+            layers=c.layers,
+            fills=fills,
+            dest_pages=ssd_dest,
+            request_index=ssd,
+            io=self.io,
+            windows=self.windows,
+            scatter=(cupy_scatter if self.on_gpu else numpy_scatter)(dest, c.page_bytes),
+            copy_dram=copy_dram,
+            stats=self.stats,
+            on_close=lambda: self.catalog.release(lease.id),
+        )
+
+    # ---- checks ----------------------------------------------------------------------------------
+    def _check_keys(self, keys: Sequence[Key], field: str) -> None:
+        if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+            raise TypeError(f"{field}: expected a sequence of page keys, got {type(keys).__name__}")
+        for i, key in enumerate(keys):
+            if not isinstance(key, str | bytes | int) or isinstance(key, bool):
+                raise TypeError(f"{field}[{i}]: {key!r} is not a page key (str, bytes or int)")
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"{field}: contains duplicate keys; each page key may appear once")
+
+    def _check_kv(self, kv: npt.NDArray[np.uint8], n: int) -> None:
+        c = self.config
+        want = (c.layers, n, c.page_bytes)
+        if not isinstance(kv, np.ndarray):
+            raise TypeError(f"kv: expected a numpy array shaped {want}, got {type(kv).__name__}")
+        if kv.dtype != np.uint8:
+            raise TypeError(f"kv.dtype: {kv.dtype} is not uint8; pass kv.view(np.uint8) with page_bytes counting bytes")
+        if kv.shape != want:
+            raise ValueError(f"kv.shape: {kv.shape} != (layers, len(keys), page_bytes) = {want}")
+        if not kv.flags.c_contiguous:
+            raise ValueError("kv: not C-contiguous; pass np.ascontiguousarray(kv)")
+        if not is_aligned(kv):
+            raise ValueError(
+                f"kv: buffer address {kv.ctypes.data:#x} is not {ALIGN}-byte aligned (O_DIRECT); "
+                "allocate it with flatcake.node_agent.datapath.buffers.aligned_empty"
+            )
+
+    def _check_dest(self, dest: npt.NDArray[np.uint8], n: int, dest_pages: Sequence[int] | None) -> list[int]:
+        c = self.config
+        kind = "cupy" if self.on_gpu else "numpy"
+        if (gpu.is_device_array(dest) if self.on_gpu else isinstance(dest, np.ndarray)) is False:
+            raise TypeError(f"dest: expected a {kind} array [layers][slots][page_bytes], got {type(dest).__name__}")
+        if dest.dtype != np.uint8:
+            raise TypeError(f"dest.dtype: {dest.dtype} is not uint8; pass dest.view(np.uint8)")
+        if dest.ndim != 3 or dest.shape[0] != c.layers or dest.shape[2] != c.page_bytes:
+            raise ValueError(f"dest.shape: {dest.shape} is not (layers={c.layers}, slots, page_bytes={c.page_bytes})")
+        if not getattr(dest.flags, "writeable", True) or not dest.flags.c_contiguous:
+            raise ValueError("dest: must be writeable and C-contiguous")
+        pages = list(range(n)) if dest_pages is None else [int(p) for p in dest_pages]
+        if len(pages) != n:
+            raise ValueError(f"dest_pages: {len(pages)} entries for {n} keys; give one destination page per key")
+        bad = [p for p in pages if not 0 <= p < dest.shape[1]]
+        if bad:
+            raise ValueError(f"dest_pages: {bad[:3]} outside 0..{dest.shape[1] - 1} (dest.shape[1])")
+        return pages
+
+    # ---- state -----------------------------------------------------------------------------------
+    def usage(self) -> dict[str, dict[str, int]]:
+        return self.table.usage()
+
+    def close(self) -> None:
+        self.io.close()
+        del self._dram3
+        self.dram.close(unlink=self._owns_dram)
+        self.catalog.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

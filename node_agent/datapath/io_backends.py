@@ -1,0 +1,166 @@
+"""I/O backends behind one interface: POSIX O_DIRECT on a thread pool (CPU) or kvikio CuFile (GPU).
+
+Each worker is a single thread with its own file handles, so commands handed to different workers
+run in parallel and one worker's commands never contend for a descriptor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from flatcake.node_agent.datapath.file_pool import open_direct
+
+log = logging.getLogger(__name__)
+
+IOV_MAX = 1024
+
+
+class IOBackend(Protocol):
+    name: str
+    workers: int
+
+    def submit_read(self, worker: int, file: int, offset: int, buf: Any) -> Future[int]:
+        """Read ``len(buf)`` bytes at ``offset`` of pool file ``file``; the result is the byte count,
+        smaller than asked on a short read; an I/O error raises OSError from the future."""
+        ...
+
+    def submit_write(self, worker: int, file: int, offset: int, bufs: Sequence[Any]) -> Future[int]:
+        """Write the buffers back to back at ``offset``; raises OSError (ENOSPC, EIO) from the future."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class PosixDirectIO:
+    """``preadv``/``pwritev`` on ``O_DIRECT`` descriptors; buffers must be 4 KiB aligned."""
+
+    name = "posix"
+
+    def __init__(self, paths: Sequence[str], workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"io.workers: {workers} must be >= 1")
+        self.paths = list(paths)
+        self.workers = workers
+        self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"flatcake-io-{i}") for i in range(workers)]
+        # Descriptors per worker, touched only by that worker's thread.
+        self._fds: list[dict[int, int]] = [{} for _ in range(workers)]
+
+    def _fd(self, worker: int, file: int) -> int:
+        fds = self._fds[worker]
+        fd = fds.get(file)
+        if fd is None:
+            fd = fds[file] = open_direct(self.paths[file])
+        return fd
+
+    def submit_read(self, worker: int, file: int, offset: int, buf: Any) -> Future[int]:
+        return self._pools[worker % self.workers].submit(self._read, worker % self.workers, file, offset, buf)
+
+    def submit_write(self, worker: int, file: int, offset: int, bufs: Sequence[Any]) -> Future[int]:
+        return self._pools[worker % self.workers].submit(self._write, worker % self.workers, file, offset, bufs)
+
+    def _read(self, worker: int, file: int, offset: int, buf: Any) -> int:
+        fd = self._fd(worker, file)
+        view = memoryview(buf).cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:  # end of file: a short read, reported by the count
+                break
+            done += n
+        return done
+
+    def _write(self, worker: int, file: int, offset: int, bufs: Sequence[Any]) -> int:
+        fd = self._fd(worker, file)
+        views = [memoryview(b).cast("B") for b in bufs]
+        total = 0
+        while views:
+            batch = views[:IOV_MAX]
+            n = os.pwritev(fd, batch, offset + total)
+            if n == 0:
+                raise OSError(28, "no progress writing pool file (device full?)")
+            total += n
+            # Drop what was written; keep the tail of a partly written buffer.
+            while n and views:
+                if n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][n:]
+                    n = 0
+        return total
+
+    def close(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+        for fds in self._fds:
+            for fd in fds.values():
+                os.close(fd)
+            fds.clear()
+
+
+class KvikioIO:
+    """kvikio ``CuFile`` per worker: GPUDirect Storage into device buffers (or kvikio's compat mode).
+
+    Only built when a GPU is usable: kvikio imports without one but fails on its first I/O.
+    """
+
+    name = "kvikio"
+
+    def __init__(self, paths: Sequence[str], workers: int) -> None:
+        import kvikio
+
+        self._kvikio = kvikio
+        self.paths = list(paths)
+        self.workers = workers
+        self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"flatcake-gds-{i}") for i in range(workers)]
+        self._files: list[dict[int, Any]] = [{} for _ in range(workers)]
+
+    def _file(self, worker: int, file: int) -> Any:
+        files = self._files[worker]
+        handle = files.get(file)
+        if handle is None:
+            handle = files[file] = self._kvikio.CuFile(self.paths[file], "r+")
+        return handle
+
+    def submit_read(self, worker: int, file: int, offset: int, buf: Any) -> Future[int]:
+        w = worker % self.workers
+        return self._pools[w].submit(lambda: int(self._file(w, file).read(buf, buf.nbytes, offset)))
+
+    def submit_write(self, worker: int, file: int, offset: int, bufs: Sequence[Any]) -> Future[int]:
+        w = worker % self.workers
+
+        def run() -> int:
+            handle, total = self._file(w, file), 0
+            for b in bufs:
+                total += int(handle.write(b, b.nbytes, offset + total))
+            return total
+
+        return self._pools[w].submit(run)
+
+    def close(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+        for files in self._files:
+            for handle in files.values():
+                handle.close()
+            files.clear()
+
+
+def select_backend(paths: Sequence[str], workers: int, prefer: str = "auto") -> tuple[IOBackend, str]:
+    """The backend to use and why; ``prefer`` is ``auto``, ``posix`` or ``kvikio``."""
+    from flatcake.node_agent.datapath import gpu
+
+    if prefer not in ("auto", "posix", "kvikio"):
+        raise ValueError(f"io.backend: {prefer!r} must be 'auto', 'posix' or 'kvikio'")
+    if prefer == "posix":
+        return PosixDirectIO(paths, workers), "posix requested"
+    usable, why = gpu.kvikio_usable()
+    if usable:
+        return KvikioIO(paths, workers), "GPU and kvikio usable"
+    if prefer == "kvikio":
+        raise RuntimeError(f"io.backend: kvikio requested but not usable: {why}; use 'auto' or 'posix'")
+    return PosixDirectIO(paths, workers), f"posix O_DIRECT ({why})"

@@ -1,0 +1,240 @@
+"""FC-CIO restore execution: merged reads streamed through a bounded, double-buffered staging window.
+
+A restore holds one window of ``staging_layers`` slots. Fills (the commands of one slot, one layer)
+are issued in layer order round-robin over the I/O workers; a slot is scattered into the destination
+pages as soon as its reads complete, then reused. Reads for layer l+1 are in flight while the caller
+works on layer l. When every slot is busy the next read waits: nothing is dropped or recomputed.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import warnings
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from flatcake.node_agent.datapath.buffers import aligned_empty
+from flatcake.node_agent.datapath.io_backends import IOBackend
+from flatcake.node_agent.datapath.stats import Stats
+from flatcake.node_agent.policy.coalesce import Fill
+
+# scatter(layer, slot, src, dst, count): run r copies count[r] pages from byte src[r] of the slot to
+# destination pages dst[r]..dst[r]+count[r]-1 of that layer.
+Ints = npt.NDArray[np.int64]
+Scatter = Callable[[int, Any, Ints, Ints, Ints], None]
+
+
+class Window:
+    def __init__(self, slots: int, slot_bytes: int, alloc: Callable[[int], Any]) -> None:
+        self.slot_bytes = slot_bytes
+        self.slots = [alloc(slot_bytes) for _ in range(slots)]
+
+
+class WindowPool:
+    """At most ``streams`` windows exist; a restore that finds none free waits for one."""
+
+    def __init__(
+        self, streams: int, slots: int, slot_bytes: int, stats: Stats, alloc: Callable[[int], Any] = aligned_empty
+    ) -> None:
+        self._free: list[Window] = []
+        self._made = 0
+        self._streams, self._slots, self._slot_bytes, self._alloc = streams, slots, slot_bytes, alloc
+        self._cond = threading.Condition()
+        self._stats = stats
+
+    def acquire(self) -> Window:
+        with self._cond:
+            if not self._free and self._made >= self._streams:
+                self._stats.add("staging_waits")
+                self._cond.wait_for(lambda: bool(self._free))
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        return Window(self._slots, self._slot_bytes, self._alloc)
+
+    def release(self, window: Window) -> None:
+        with self._cond:
+            self._free.append(window)
+            self._cond.notify()
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Host (or device) bytes held by restores now: bounded by streams x slots x slot bytes."""
+        with self._cond:
+            return (self._made - len(self._free)) * self._slots * self._slot_bytes
+
+
+class Restore(Iterator[int]):
+    """Yields layer indexes in order; when layer ``l`` is yielded its bytes are in the destination.
+
+    After iteration ``missing`` holds the indexes (into the requested keys) of pages whose bytes could
+    not be read (I/O error or short read): the caller recomputes those. No I/O exception escapes.
+    """
+
+    def __init__(
+        self,
+        *,
+        layers: int,
+        fills: list[Fill],
+        dest_pages: Ints,
+        request_index: Ints,
+        io: IOBackend,
+        windows: WindowPool,
+        scatter: Scatter,
+        copy_dram: Callable[[int], None],
+        stats: Stats,
+        on_close: Callable[[], None],
+    ) -> None:
+        self.missing: set[int] = set()
+        self.staging_peak_bytes = 0
+        self._layers, self._fills, self._dest_pages = layers, fills, dest_pages
+        self._request_index = request_index  # plan index -> position in the caller's key list
+        self._io, self._windows, self._scatter, self._copy_dram = io, windows, scatter, copy_dram
+        self._stats, self._on_close = stats, on_close
+        self._finished = False
+        self._gen = self._run()
+
+    def __next__(self) -> int:
+        return next(self._gen)
+
+    def close(self) -> None:
+        """Stop early: in-flight reads drain, then the window and the pins are released. Call it (or
+        use the restore as a context manager): releasing pins may be a call to the node agent."""
+        self._gen.close()
+        self._finish()  # the generator's own cleanup does not run if it never started
+
+    def __del__(self) -> None:
+        # A safety net only. The finalizer may run in any thread at any point, even one that holds the
+        # agent connection's lock, so it never releases here: a short-lived thread does, when it can.
+        if not self._finished:
+            warnings.warn("a Restore was not closed; use it as a context manager", ResourceWarning, stacklevel=1)
+            threading.Thread(target=self.close, name="flatcake-restore-finalizer", daemon=True).start()
+
+    def _finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._stats.peak("staging_peak_bytes", self.staging_peak_bytes)
+            self._on_close()
+
+    def __enter__(self) -> Restore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self) -> set[int]:
+        """Restore every layer; returns the missing page indexes."""
+        for _ in self:
+            pass
+        return self.missing
+
+    def _run(self) -> Generator[int, None, None]:
+        window = self._windows.acquire() if self._fills else None
+        inflight: deque[tuple[Fill, int, list[Future[int]]]] = deque()
+        try:
+            queue = deque(self._fills)
+            free = deque(range(len(window.slots))) if window else deque()
+            rr = 0
+            staged = 0
+
+            def top_up() -> None:
+                nonlocal rr, staged
+                while queue and free:
+                    fill, slot = queue.popleft(), free.popleft()
+                    buf, futures, at = window.slots[slot], [], 0  # type: ignore[union-attr]
+                    cmds = fill.commands
+                    for file, offset, n in zip(
+                        cmds.file[fill.lo : fill.hi].tolist(),
+                        cmds.offset[fill.lo : fill.hi].tolist(),
+                        cmds.length[fill.lo : fill.hi].tolist(),
+                        strict=True,
+                    ):
+                        futures.append(self._io.submit_read(rr, file, offset, buf[at : at + n]))
+                        rr += 1
+                        at += n
+                    inflight.append((fill, slot, futures))
+                    staged += fill.nbytes
+                    self.staging_peak_bytes = max(self.staging_peak_bytes, staged)
+
+            for layer in range(self._layers):
+                top_up()
+                while inflight and inflight[0][0].layer == layer:
+                    fill, slot, futures = inflight.popleft()
+                    self._complete(fill, window.slots[slot], futures)  # type: ignore[union-attr]
+                    free.append(slot)
+                    staged -= fill.nbytes
+                    top_up()
+                self._copy_dram(layer)
+                yield layer
+        finally:
+            for _, _, futures in inflight:  # never hand a slot back while a read may still land in it
+                for f in futures:
+                    f.exception()
+            if window is not None:
+                self._windows.release(window)
+            self._finish()
+
+    def _complete(self, fill: Fill, buf: Any, futures: list[Future[int]]) -> None:
+        cmds, lo, hi = fill.commands, fill.lo, fill.hi
+        p0, p1 = int(cmds.piece_ptr[lo]), int(cmds.piece_ptr[hi])
+        lengths = cmds.length[lo:hi]
+        slot_at = np.concatenate(([0], np.cumsum(lengths)[:-1]))  # where each command lands in the slot
+        owner = np.repeat(np.arange(hi - lo), np.diff(cmds.piece_ptr[lo : hi + 1]))
+        start, plen = cmds.piece_start[p0:p1], cmds.piece_length[p0:p1]
+        got = np.empty(hi - lo, dtype=np.int64)
+        for k, fut in enumerate(futures):
+            try:
+                got[k] = fut.result()
+            except OSError as exc:
+                got[k] = -1
+                self._stats.add(f"io_errors_{errno.errorcode.get(exc.errno or 0, 'other').lower()}")
+        short = int(((got >= 0) & (got < lengths)).sum())
+        if short:
+            self._stats.add("io_errors_short_read", short)
+        self._stats.add("read_commands", hi - lo)
+        self._stats.add("read_bytes", int(np.maximum(got, 0).sum()))
+        self._stats.add("requested_bytes", int(plen.sum()))
+        self._stats.add("descriptors", p1 - p0)
+        ok = start + plen <= got[owner]  # a piece not fully read is left for the caller to recompute
+        index = cmds.piece_index[p0:p1]
+        if not ok.all():
+            lost = set(self._request_index[index[~ok]].tolist()) - self.missing
+            self.missing.update(lost)
+            self._stats.add("pages_missing", len(lost))
+        src = (slot_at[owner] + start)[ok]
+        dst = self._dest_pages[index[ok]]
+        if len(src):
+            page = int(plen[0])
+            # Runs contiguous in both the slot and the destination become one copy each.
+            brk = np.flatnonzero((np.diff(src) != page) | (np.diff(dst) != 1)) + 1
+            first = np.concatenate(([0], brk))
+            count = np.diff(np.append(first, len(src)))
+            self._scatter(fill.layer, buf, src[first], dst[first], count)
+
+
+def numpy_scatter(dest: npt.NDArray[np.uint8], page_bytes: int) -> Scatter:
+    """Scatter on the CPU: each run is one contiguous copy into ``dest[layer, first:first+n]``."""
+
+    def scatter(layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
+        for s, d, n in zip(src.tolist(), dst.tolist(), count.tolist(), strict=True):
+            dest[layer, d : d + n] = buf[s : s + n * page_bytes].reshape(n, page_bytes)
+
+    return scatter
+
+
+def cupy_scatter(dest: Any, page_bytes: int) -> Scatter:
+    """Scatter on the GPU with one kernel launch per fill."""
+    from flatcake.node_agent.datapath import gpu
+
+    layer_bytes = dest.shape[1] * page_bytes
+
+    def scatter(layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
+        gpu.scatter(buf, dest.reshape(-1), src, layer * layer_bytes + dst * page_bytes, count * page_bytes)
+
+    return scatter

@@ -1,0 +1,359 @@
+"""Session scopes, the key index and reclaim: the engine's metadata, with no I/O.
+
+A scope groups the pages of one session on one medium: on SSD it owns whole pool files and appends
+one layer-major segment per write; on DRAM it owns pool slots. Space is reclaimed a whole scope at a
+time, oldest (least recently used) unpinned scope first, so a live session never loses part of its
+prefix.
+
+Concurrency contract: writers (reserve, publish, abort, reclaim, pin) hold ``self.lock``. Readers call
+``lookup``/``hit_prefix`` without a lock: in CPython a ``dict.get`` is atomic under the GIL, entries
+are immutable tuples inserted only after their bytes are written (publish after write), and an entry
+is deleted before its space can be reused (reclaim happens under the lock, and only for unpinned
+scopes). A reader that wants to read bytes pins first; ``pin`` re-validates each entry under the lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from flatcake.errors import PoolFullError
+from flatcake.node_agent.policy import gva as G
+from flatcake.node_agent.policy.gva import Medium
+from flatcake.node_agent.policy.placement import Decision, Key, Reason, overflow
+from flatcake.node_agent.policy.slots import SlotAllocator
+
+
+class Location(NamedTuple):
+    """Where a page lives: its layer-0 address and the distance between its layers."""
+
+    scope: int
+    gva: int
+    layer_stride: int
+
+
+@dataclass(eq=False)
+class Scope:
+    id: int
+    medium: Medium
+    last_used: int
+    files: list[int] = field(default_factory=list)
+    cursor: int = 0  # append position in files[-1]
+    slots: list[int] = field(default_factory=list)
+    keys: list[Key] = field(default_factory=list)
+    pins: int = 0
+    segments: int = 0
+
+    def units(self) -> int:
+        return len(self.files) if self.medium is Medium.SSD else len(self.slots)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One layer-major segment: ``pages`` consecutive pages of the run, starting at ``first_page``."""
+
+    file: int
+    offset: int
+    first_page: int
+    pages: int
+
+
+@dataclass
+class Reservation:
+    """Space taken for a run of new pages, not yet visible to readers."""
+
+    keys: list[Key]
+    scope: Scope
+    decision: Decision
+    new_scope: bool
+    segments: list[Segment] = field(default_factory=list)  # SSD
+    slots: list[int] = field(default_factory=list)  # DRAM
+    locations: list[Location] = field(default_factory=list)
+
+
+class Victim(NamedTuple):
+    scope: int
+    last_used: int
+    units: int
+    pinned: bool
+
+
+def plan_reclaim(victims: Sequence[Victim], used: int, capacity: int, need: int, high: float, low: float) -> list[int]:
+    """Scopes to free, oldest first, so that ``need`` more units fit and usage ends at or below the
+    low watermark when it would pass the high one. Pinned scopes are never chosen; the plan may fall
+    short when too much is pinned (the caller then reports the pool full)."""
+    after = used + need
+    if after <= high * capacity and after <= capacity:
+        return []
+    target = min(low * capacity, capacity) if after > high * capacity else capacity
+    chosen: list[int] = []
+    for v in sorted(victims, key=lambda v: v.last_used):
+        if after <= target:
+            break
+        if v.pinned or v.units == 0:
+            continue
+        chosen.append(v.scope)
+        after -= v.units
+    return chosen
+
+
+@dataclass
+class ReclaimStats:
+    scopes: int = 0
+    bytes: int = 0
+
+
+class ScopeTable:
+    def __init__(
+        self,
+        *,
+        node_id: int,
+        layers: int,
+        page_bytes: int,
+        file_bytes: int,
+        files: int,
+        dram_slots: int,
+        high_watermark: float = 0.9,
+        low_watermark: float = 0.8,
+    ) -> None:
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise ValueError(f"watermarks: need 0 < low ({low_watermark}) <= high ({high_watermark}) <= 1")
+        if file_bytes < layers * page_bytes:
+            raise ValueError(f"file_bytes: {file_bytes} cannot hold one page of {layers} layers x {page_bytes} bytes")
+        self.node_id, self.layers, self.page_bytes = node_id, layers, page_bytes
+        self.file_bytes, self.files = file_bytes, files
+        self.high, self.low = high_watermark, low_watermark
+        self.entries: dict[Key, Location] = {}
+        self.scopes: dict[int, Scope] = {}
+        self.lock = threading.RLock()
+        self.dram = SlotAllocator(dram_slots)
+        self._free_files = list(range(files - 1, -1, -1))
+        self._pending: set[Key] = set()
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1)
+        self.reclaimed = {Medium.DRAM: ReclaimStats(), Medium.SSD: ReclaimStats()}
+        self.on_free: Callable[[Scope], None] | None = None  # told of every scope freed (journal)
+
+    # ---- readers (no lock) -------------------------------------------------------------------
+    def lookup(self, key: Key) -> Location | None:
+        return self.entries.get(key)
+
+    def lookup_many(self, keys: Sequence[Key]) -> list[Location | None]:
+        """Locations of ``keys`` (None where absent); ``map`` keeps the per-key cost in C."""
+        return list(map(self.entries.get, keys))
+
+    def hit_prefix(self, keys: Sequence[Key]) -> int:
+        found = list(map(self.entries.__contains__, keys))
+        return found.index(False) if False in found else len(found)
+
+    # ---- space accounting --------------------------------------------------------------------
+    def used(self, medium: Medium) -> int:
+        if medium is Medium.SSD:
+            return self.files - len(self._free_files)
+        return self.dram.slots - self.dram.free
+
+    def capacity(self, medium: Medium) -> int:
+        return self.files if medium is Medium.SSD else self.dram.slots
+
+    def unit_bytes(self, medium: Medium) -> int:
+        return self.file_bytes if medium is Medium.SSD else self.layers * self.page_bytes
+
+    # ---- writers -----------------------------------------------------------------------------
+    def new_keys(self, keys: Sequence[Key]) -> list[int]:
+        """Indexes of keys neither stored nor being written by someone else."""
+        with self.lock:
+            return [i for i, k in enumerate(keys) if k not in self.entries and k not in self._pending]
+
+    def reserve(self, keys: list[Key], parent: Key | None, decision: Decision) -> Reservation:
+        """Take space for ``keys`` (all new) and pin their scope; raises PoolFullError with nothing
+        changed when even reclaim cannot make room."""
+        with self.lock:
+            dup = [k for k in keys if k in self.entries or k in self._pending]
+            if dup:
+                raise ValueError(f"keys: {dup[:3]!r} already stored or being written")
+            loc = self.entries.get(parent) if parent is not None else None
+            scope = self.scopes.get(loc.scope) if loc is not None else None
+            if scope is not None:
+                decision = Decision(scope.medium, Reason.INHERITED)
+            if decision.medium is Medium.DRAM:
+                res = self._reserve_dram(keys, scope, decision)
+                if res is None:
+                    decision, scope = overflow(decision), None
+            if decision.medium is Medium.SSD:
+                res = self._reserve_ssd(keys, scope, decision)
+            assert res is not None
+            res.scope.pins += 1
+            res.scope.last_used = next(self._clock)
+            self._pending.update(keys)
+            return res
+
+    def _reserve_dram(self, keys: list[Key], scope: Scope | None, decision: Decision) -> Reservation | None:
+        n = len(keys)
+        if self.dram.free < n:
+            self._reclaim(Medium.DRAM, n, keep=scope)
+        if self.dram.free < n:
+            return None
+        new = scope is None
+        if scope is None:
+            scope = self._new_scope(Medium.DRAM)
+        slots = self.dram.alloc(n)
+        scope.slots.extend(slots)
+        stride = self.page_bytes
+        locs = [
+            Location(scope.id, G.encode(Medium.DRAM, self.node_id, s * self.layers * stride), stride) for s in slots
+        ]
+        return Reservation(list(keys), scope, decision, new, slots=slots, locations=locs)
+
+    def _reserve_ssd(self, keys: list[Key], scope: Scope | None, decision: Decision) -> Reservation:
+        page_span = self.layers * self.page_bytes  # bytes one page takes across all layers
+        per_file = self.file_bytes // page_span
+        n = len(keys)
+        room = (self.file_bytes - scope.cursor) // page_span if scope and scope.files else 0
+        first = min(room, n)
+        files_needed = -(-(n - first) // per_file)
+        if len(self._free_files) < files_needed or self._crosses_high(Medium.SSD, files_needed):
+            self._reclaim(Medium.SSD, files_needed, keep=scope)
+        if len(self._free_files) < files_needed:
+            raise PoolFullError(
+                f"SSD file pool full: {files_needed} more file(s) of {self.file_bytes} bytes needed, "
+                f"{len(self._free_files)} free of {self.files} and every other scope is pinned; "
+                "enlarge ssd.file_count or release pins"
+            )
+        new = scope is None
+        if scope is None:
+            scope = self._new_scope(Medium.SSD)
+        res = Reservation(list(keys), scope, decision, new)
+        page = 0
+        if first:
+            res.segments.append(Segment(scope.files[-1], scope.cursor, 0, first))
+            scope.cursor += first * page_span
+            page = first
+        while page < n:
+            f = self._free_files.pop()
+            scope.files.append(f)
+            count = min(per_file, n - page)
+            res.segments.append(Segment(f, 0, page, count))
+            scope.cursor = count * page_span
+            page += count
+        for seg in res.segments:
+            stride = seg.pages * self.page_bytes
+            base = seg.file * self.file_bytes + seg.offset
+            for j in range(seg.pages):
+                res.locations.append(
+                    Location(scope.id, G.encode(Medium.SSD, self.node_id, base + j * self.page_bytes), stride)
+                )
+        scope.segments += len(res.segments)
+        return res
+
+    def _crosses_high(self, medium: Medium, need: int) -> bool:
+        return self.used(medium) + need > self.high * self.capacity(medium)
+
+    def publish(self, res: Reservation) -> None:
+        """Make the written pages visible; from here on readers find them."""
+        with self.lock:
+            for key, loc in zip(res.keys, res.locations, strict=True):
+                self.entries[key] = loc
+            res.scope.keys.extend(res.keys)
+            self._pending.difference_update(res.keys)
+            res.scope.pins -= 1
+
+    def abort(self, res: Reservation) -> None:
+        """The write failed: publish nothing and give the space back."""
+        with self.lock:
+            self._pending.difference_update(res.keys)
+            res.scope.pins -= 1
+            if res.slots:
+                self.dram.release(res.slots)
+                drop = set(res.slots)
+                res.scope.slots = [s for s in res.scope.slots if s not in drop]
+            if res.new_scope and not res.scope.keys and res.scope.pins == 0:
+                self._free_scope(res.scope, count=False)
+            # An append to an existing SSD scope leaves a hole that is freed with the scope.
+
+    def pin(self, keys: Sequence[Key], locs: Sequence[Location]) -> list[int]:
+        """Pin the scopes of pages a reader resolved; returns the index of the first key whose entry
+        vanished (reclaimed meanwhile), or pins all and returns an empty list."""
+        with self.lock:
+            same = list(map(operator.is_, map(self.entries.get, keys), locs))
+            if False in same:
+                return [same.index(False)]
+            now = next(self._clock)
+            for sid in set(map(operator.itemgetter(0), locs)):
+                scope = self.scopes[sid]
+                scope.pins += 1
+                scope.last_used = now
+            return []
+
+    def unpin(self, scope_ids: set[int]) -> None:
+        with self.lock:
+            for sid in scope_ids:
+                self.scopes[sid].pins -= 1
+
+    def reclaim(self, medium: Medium) -> list[int]:
+        """Bring usage down to the low watermark if it is above the high one."""
+        with self.lock:
+            return self._reclaim(medium, 0, keep=None)
+
+    def _reclaim(self, medium: Medium, need: int, keep: Scope | None) -> list[int]:
+        victims = [
+            Victim(s.id, s.last_used, s.units(), s.pins > 0 or s is keep)
+            for s in self.scopes.values()
+            if s.medium is medium
+        ]
+        chosen = plan_reclaim(victims, self.used(medium), self.capacity(medium), need, self.high, self.low)
+        for sid in chosen:
+            self._free_scope(self.scopes[sid], count=True)
+        return chosen
+
+    def adopt(self, scope: Scope, entries: dict[Key, Location]) -> None:
+        """Re-create a scope found in the journal at start-up (its space must be free)."""
+        with self.lock:
+            taken = set(scope.files) - set(self._free_files)
+            if taken:
+                raise ValueError(f"scope {scope.id}: files {sorted(taken)} already belong to another scope")
+            self._free_files = [f for f in self._free_files if f not in set(scope.files)]
+            if scope.slots:
+                self.dram.take(scope.slots)
+            self.scopes[scope.id] = scope
+            self.entries.update(entries)
+            scope.last_used = next(self._clock)
+            self._ids = itertools.count(max(next(self._ids), scope.id + 1))
+
+    def _new_scope(self, medium: Medium) -> Scope:
+        scope = Scope(next(self._ids), medium, next(self._clock))
+        self.scopes[scope.id] = scope
+        return scope
+
+    def _free_scope(self, scope: Scope, count: bool) -> None:
+        if self.on_free is not None and scope.keys:
+            self.on_free(scope)
+        for key in scope.keys:  # entries go before the space can be reused
+            self.entries.pop(key, None)
+        if count:
+            stats = self.reclaimed[scope.medium]
+            stats.scopes += 1
+            stats.bytes += scope.units() * self.unit_bytes(scope.medium)
+        if scope.medium is Medium.SSD:
+            self._free_files.extend(reversed(scope.files))
+        elif scope.slots:
+            self.dram.release(scope.slots)
+        scope.files, scope.slots, scope.keys = [], [], []
+        del self.scopes[scope.id]
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Used and total bytes, scopes and reclaim counts per medium."""
+        with self.lock:
+            return {
+                m.name.lower(): {
+                    "used_bytes": self.used(m) * self.unit_bytes(m),
+                    "capacity_bytes": self.capacity(m) * self.unit_bytes(m),
+                    "scopes": sum(1 for s in self.scopes.values() if s.medium is m),
+                    "reclaimed_scopes": self.reclaimed[m].scopes,
+                    "reclaimed_bytes": self.reclaimed[m].bytes,
+                }
+                for m in Medium
+            }

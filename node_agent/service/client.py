@@ -1,0 +1,138 @@
+"""The client library: an ``Engine`` whose catalog is the node agent.
+
+``connect(socket)`` registers with the agent, maps its DRAM pool, opens the pool files itself and
+returns an ``Engine``: ``put`` / ``exists`` / ``get`` work as in-process, with FC-CIO restores run
+locally. One client per process; it is thread-safe (calls on the socket are serialised).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from flatcake.errors import by_code
+from flatcake.node_agent.catalog.local import Allocation, Lease
+from flatcake.node_agent.config import EngineConfig
+from flatcake.node_agent.datapath.engine import Engine
+from flatcake.node_agent.datapath.io_backends import IOBackend
+from flatcake.node_agent.datapath.stats import Stats
+from flatcake.node_agent.policy.gva import Medium
+from flatcake.node_agent.policy.placement import Hints, Key
+from flatcake.node_agent.policy.scopes import Location, Segment
+from flatcake.node_agent.service import protocol as P
+
+
+class AgentConnection:
+    def __init__(self, path: str, timeout: float = 30.0) -> None:
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(path)
+        except OSError as exc:
+            self._sock.close()
+            raise ConnectionError(f"cannot reach the flatcake agent at {path}: {exc.strerror or exc}") from None
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    def call(self, op: str, **args: Any) -> Any:
+        with self._lock:
+            req_id = next(self._ids)
+            self._sock.sendall(P.pack(P.request(req_id, op, args)))
+            reply = P.unpack(self._recv_frame())
+        if reply.get("ok"):
+            return reply.get("result")
+        err = reply.get("error", {})
+        code, message = err.get("code", P.INTERNAL), err.get("message", "")
+        raise _error(code, message)
+
+    def _recv_frame(self) -> bytes:
+        (length,) = P.HEADER.unpack(self._recv(P.HEADER.size))
+        return self._recv(length)
+
+    def _recv(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self._sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError(f"the flatcake agent at {self.path} closed the connection")
+            buf += chunk
+        return bytes(buf)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _error(code: str, message: str) -> Exception:
+    """The exception an error reply stands for: its FlatCakeError class by wire code; ``bad_args`` as
+    the ``ValueError`` the agent's argument check raised; other protocol codes as a ``ProtocolError``."""
+    if code == P.BAD_ARGS:
+        return ValueError(message)
+    cls = by_code(code)
+    return cls(message) if cls is not None else P.ProtocolError(code, f"agent: {code}: {message}")
+
+
+class RemoteCatalog:
+    """The ``Catalog`` calls, answered by the agent. Data-path counters ride along with ``release``."""
+
+    def __init__(self, conn: AgentConnection, stats: Stats | None = None) -> None:
+        self.conn = conn
+        self.stats = stats
+        self._reported: dict[str, int] = {}
+
+    def allocate(self, keys: Sequence[Key], hints: Hints) -> Allocation | None:
+        r = self.conn.call("allocate", keys=list(keys), hints=asdict(hints))
+        if r is None:
+            return None
+        return Allocation(
+            r["id"], r["index"], Medium(r["medium"]), r["reason"], [Segment(*s) for s in r["segments"]], r["slots"]
+        )
+
+    def publish(self, alloc_id: int, checksums: Sequence[int]) -> None:
+        self.conn.call("publish", id=alloc_id, crc=list(checksums))
+
+    def abort(self, alloc_id: int) -> None:
+        self.conn.call("abort", id=alloc_id)
+
+    def exists(self, keys: Sequence[Key]) -> int:
+        return int(self.conn.call("exists", keys=list(keys)))
+
+    def acquire(self, keys: Sequence[Key]) -> Lease:
+        r = self.conn.call("acquire", keys=list(keys))
+        return Lease(r["id"], [Location(*x) for x in zip(r["scope"], r["gva"], r["stride"], strict=True)])
+
+    def release(self, lease_id: int) -> None:
+        self.conn.call("release", id=lease_id, stats=self._delta())
+
+    def _delta(self) -> dict[str, int]:
+        if self.stats is None:
+            return {}
+        now = self.stats.snapshot()
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if k != "staging_peak_bytes"}
+        self._reported = now
+        return {k: v for k, v in delta.items() if v}
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def connect(
+    socket_path: str, *, io: IOBackend | None = None, layers: int | None = None, page_bytes: int | None = None
+) -> Engine:
+    """An engine on this node's agent. ``layers``/``page_bytes`` are checked against the agent's pool."""
+    conn = AgentConnection(socket_path)
+    try:
+        expect = {k: v for k, v in (("layers", layers), ("page_bytes", page_bytes)) if v is not None}
+        info = conn.call("register", **expect)
+        config = EngineConfig.from_dict(info["config"])
+        catalog = RemoteCatalog(conn)
+        engine = Engine(config, io=io, catalog=catalog, dram_path=info["dram_path"])
+    except BaseException:
+        conn.close()
+        raise
+    catalog.stats = engine.stats
+    return engine

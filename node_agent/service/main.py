@@ -1,0 +1,71 @@
+"""The agent process: ``flatcake agent serve`` (``run``) and a helper that starts it as a child
+process and waits until its socket answers (``spawn``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from flatcake.node_agent.config import EngineConfig
+from flatcake.node_agent.service.client import AgentConnection
+from flatcake.node_agent.service.server import Agent
+
+log = logging.getLogger(__name__)
+
+
+def spawn(config: EngineConfig, workdir: Path, output: Any = subprocess.DEVNULL, timeout: float = 60) -> Any:
+    """Start ``flatcake agent serve`` as its own process (config written to ``workdir/engine.json``)
+    and return it once its socket answers."""
+    path = workdir / "engine.json"
+    path.write_text(json.dumps(config.to_dict()))
+    exe = Path(sys.executable).parent / "flatcake"
+    proc = subprocess.Popen([str(exe), "agent", "serve", "--config", str(path)], cwd=workdir, stdout=output,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            AgentConnection(config.agent.socket, timeout=5).close()
+            return proc
+        except ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the node agent did not start; run `flatcake agent serve` to see why") from None
+            time.sleep(0.05)
+
+
+def run(config: EngineConfig) -> None:
+    """``flatcake agent serve``: (in a cluster: wait for this node's NodeID), recover, then serve until
+    SIGTERM, reporting a FlatCakeNode when the configuration names a cache."""
+    from flatcake.node_agent.node import report as R  # the kube client only where a cluster is configured
+
+    node = R.node_name() if config.cluster.node_ids_dir or config.cluster.cache else ""
+    if config.cluster.node_ids_dir:
+        config = dataclasses.replace(config, node_id=R.resolve_node_id(config, node))
+        log.warning("flatcake agent: node %s has NodeID %d", node, config.node_id)
+    agent = Agent(config)
+    reporter = None
+    try:
+        port = agent.start_http()
+        log.warning("flatcake agent: socket %s, metrics http://%s:%d/metrics", config.agent.socket,
+                    config.agent.metrics_host, port)  # fmt: skip
+        if config.cluster.cache:
+            from flatcake.kube import Kube
+
+            reporter = R.NodeReporter(config, node, config.node_id, agent.catalog.table.usage,
+                                      lambda: agent.ready, Kube.from_environment(R.USER_AGENT))  # fmt: skip
+            reporter.start()
+        asyncio.run(agent.serve())
+    finally:
+        if reporter is not None:
+            reporter.stop()
+            with contextlib.suppress(Exception):
+                reporter.report_once(ready=False, force=True)  # the operator sees the node go down at once
+        agent.close()

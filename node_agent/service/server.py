@@ -1,0 +1,308 @@
+"""The node agent's server: one catalog per node, shared by every inference process on it.
+
+The agent owns the metadata (index, allocation, scopes, reclaim, journal) and serves it on a Unix
+socket; clients map the DRAM pool and open the pool files themselves, so KV bytes never pass through
+the agent. A client's unpublished allocations and pins belong to its connection: when the connection
+drops (the process exited or was killed) they are aborted and released.
+
+Each protocol op is one method, found through the ``OPS`` table; ``handle_frame`` turns every
+``FlatCakeError`` into its wire code and is the only place a broad ``except`` answers for a bug.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import operator
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry
+
+from flatcake import metrics as M
+from flatcake.errors import FlatCakeError, UnknownHandleError
+from flatcake.node_agent.catalog.journal import Journal
+from flatcake.node_agent.catalog.local import LocalCatalog
+from flatcake.node_agent.catalog.recovery import Recovered, page_crc_reader, recover
+from flatcake.node_agent.config import EngineConfig
+from flatcake.node_agent.datapath.dram_pool import DramPool
+from flatcake.node_agent.datapath.engine import local_table
+from flatcake.node_agent.datapath.file_pool import create_pool
+from flatcake.node_agent.policy.placement import Hints
+from flatcake.node_agent.policy.scopes import Location
+from flatcake.node_agent.service import http
+from flatcake.node_agent.service import protocol as P
+
+log = logging.getLogger(__name__)
+
+JOURNAL = "journal.log"
+
+
+@dataclass(eq=False)
+class Session:
+    id: int
+    registered: bool = False
+    allocs: set[int] = field(default_factory=set)
+    leases: set[int] = field(default_factory=set)
+
+
+class Agent:
+    def __init__(self, config: EngineConfig) -> None:
+        c = self.config = config
+        self.ready = False
+        self.pool = create_pool(c.ssd.dir, c.ssd.file_count, c.ssd.file_bytes, extent_policy=c.ssd.extent_policy)
+        # The pool file is reused when it exists: DRAM pages survive an agent restart (not a reboot).
+        self.dram = DramPool(
+            c.layers * c.page_bytes, c.dram_slots, name=c.dram.name, want_huge_pages=c.dram.huge_pages,
+            shm_dir=c.dram.shm_dir, hugetlbfs_dir=c.dram.hugetlbfs_dir,
+        )  # fmt: skip
+        self.catalog = LocalCatalog(local_table(c), c.placement)
+        journal_path = Path(c.ssd.dir) / JOURNAL
+        started = time.monotonic()
+        paths = [Path(c.ssd.dir) / name for name in self.pool.files]
+        verify = page_crc_reader(c, self.dram.view, paths) if c.agent.verify_on_recovery else None
+        self.recovered: Recovered = recover(self.catalog, journal_path, verify)
+        self.journal = Journal(journal_path, c.agent.journal_fsync, c.agent.journal_fsync_ms)
+        self.journal.rewrite(self.catalog.snapshot_records())  # compact: live state only
+        self.catalog.journal = self.journal
+        log.info(
+            "recovered %d pages in %d scopes from %d journal records (%d dropped) in %.2fs",
+            self.recovered.pages, self.recovered.scopes, self.recovered.records, self.recovered.dropped_pages,
+            time.monotonic() - started,
+        )  # fmt: skip
+        self.client_stats: Counter[str] = Counter()  # data-path counters reported by clients
+        self.sessions: dict[int, Session] = {}
+        self._next_session = 0
+        self.registry = CollectorRegistry()
+        self.registry.register(http.AgentCollector(self))
+        self.latency = M.histogram("flatcake_agent_request_seconds", self.registry)
+        self.requests: Counter[str] = Counter()
+        self.errors: Counter[tuple[str, str]] = Counter()
+        self._http: WSGIServer | None = None
+        self.metrics_port = c.agent.metrics_port
+
+    # ---- control protocol: one method per op -----------------------------------------------------
+    def dispatch(self, session: Session, op: str, args: dict[str, Any]) -> Any:
+        handler = OPS.get(op)
+        if handler is None:
+            raise P.ProtocolError(P.UNKNOWN_OP, f"op: {op!r} is not one of {', '.join(sorted(OPS))}")
+        if op != "register" and not session.registered:
+            raise P.ProtocolError(P.NOT_REGISTERED, f"{op}: register first (send op 'register')")
+        return handler(self, session, args)
+
+    def op_register(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        c = self.config
+        for name in ("layers", "page_bytes"):
+            if name in args and args[name] != getattr(c, name):
+                raise P.ProtocolError(
+                    P.BAD_ARGS, f"{name}: the client's model has {args[name]}, this agent's pool {getattr(c, name)}; "
+                    "run one agent (cache) per model geometry",
+                )  # fmt: skip
+        session.registered = True
+        return {"config": c.to_dict(), "dram_path": self.dram.info.path, "session": session.id}
+
+    def op_exists(self, session: Session, args: dict[str, Any]) -> int:
+        return self.catalog.exists(P.keys_arg(args))
+
+    def op_lookup(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        found = self.catalog.table.lookup_many(P.keys_arg(args))
+        hit = found.index(None) if None in found else len(found)
+        return {"hit": hit, **_columns(cast(list[Location], found[:hit]), gva=1, stride=2)}
+
+    def op_allocate(self, session: Session, args: dict[str, Any]) -> dict[str, Any] | None:
+        hints = args.get("hints", {})
+        if not isinstance(hints, dict):
+            raise P.ProtocolError(P.BAD_ARGS, "hints: must be a map")
+        alloc = self.catalog.allocate(P.keys_arg(args), Hints.from_dict(hints))
+        if alloc is None:
+            return None
+        session.allocs.add(alloc.id)
+        return {
+            "id": alloc.id, "index": alloc.index, "medium": int(alloc.medium), "reason": alloc.reason,
+            "segments": [[s.file, s.offset, s.first_page, s.pages] for s in alloc.segments], "slots": alloc.slots,
+        }  # fmt: skip
+
+    def op_publish(self, session: Session, args: dict[str, Any]) -> None:
+        alloc_id = _owned(session.allocs, P.int_arg(args, "id"), "allocation")
+        crc = args.get("crc")
+        if not isinstance(crc, list) or not all(isinstance(x, int) for x in crc):
+            raise P.ProtocolError(P.BAD_ARGS, "crc: must be a list of integers, one per page")
+        session.allocs.discard(alloc_id)
+        self.catalog.publish(alloc_id, crc)
+
+    def op_abort(self, session: Session, args: dict[str, Any]) -> None:
+        alloc_id = _owned(session.allocs, P.int_arg(args, "id"), "allocation")
+        session.allocs.discard(alloc_id)
+        self.catalog.abort(alloc_id)
+
+    def op_acquire(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        lease = self.catalog.acquire(P.keys_arg(args))
+        session.leases.add(lease.id)
+        return {"id": lease.id, **_columns(lease.locations, scope=0, gva=1, stride=2)}
+
+    def op_release(self, session: Session, args: dict[str, Any]) -> None:
+        lease_id = _owned(session.leases, P.int_arg(args, "id"), "lease")
+        self._merge_stats(args.get("stats", {}))
+        session.leases.discard(lease_id)
+        self.catalog.release(lease_id)
+
+    def op_report(self, session: Session, args: dict[str, Any]) -> None:
+        self._merge_stats(args.get("stats", {}))
+
+    def op_stats(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        return self.snapshot()
+
+    def _merge_stats(self, stats: Any) -> None:
+        if not isinstance(stats, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in stats.items()):
+            raise P.ProtocolError(P.BAD_ARGS, "stats: must be a map of counter name to integer")
+        self.client_stats.update(stats)
+
+    def service_seconds(self) -> dict[str, tuple[float, float]]:
+        """Per op: (count, total seconds) of service time, from the request histogram."""
+        out: dict[str, tuple[float, float]] = {}
+        for metric in self.registry.collect():
+            if metric.name != "flatcake_agent_request_seconds":
+                continue
+            for sample in metric.samples:
+                op = sample.labels.get("op", "")
+                count, total = out.get(op, (0.0, 0.0))
+                if sample.name.endswith("_count"):
+                    count = sample.value
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+                out[op] = (count, total)
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        allocs, leases = self.catalog.handles()
+        return {
+            "usage": self.catalog.table.usage(), "placements": self.catalog.placements.snapshot(),
+            "clients": len(self.sessions), "open_allocations": allocs, "leases": leases,
+            "recovered": asdict(self.recovered), "client_stats": dict(self.client_stats),
+            "journal_records": self.journal.records, "service_seconds": self.service_seconds(),
+        }  # fmt: skip
+
+    def handle_frame(self, session: Session, body: bytes) -> tuple[str, dict[str, Any]]:
+        """The reply to one request frame, and the op it was (for metrics); never raises."""
+        req_id, op = 0, "?"
+        try:
+            req_id, op, args = P.check_request(P.unpack(body))
+            reply = P.ok(req_id, self.dispatch(session, op, args))
+        except FlatCakeError as exc:
+            reply = P.error(req_id, exc.code, str(exc))
+        except (ValueError, TypeError) as exc:  # argument checks, numpy style: the message names the field
+            reply = P.error(req_id, P.BAD_ARGS, str(exc))
+        except Exception as exc:  # a bug: answer, log, count (below), keep serving
+            log.exception("op %s failed", op)
+            reply = P.error(req_id, P.INTERNAL, f"{exc.__class__.__name__}: {exc}")
+        op = op if op in OPS else "other"
+        self.requests[op] += 1
+        if not reply["ok"]:
+            self.errors[(op, reply["error"]["code"])] += 1
+        return op, reply
+
+    def drop(self, session: Session) -> None:
+        """The client is gone: abort what it never published, release what it pinned."""
+        for alloc_id in list(session.allocs):
+            with contextlib.suppress(UnknownHandleError):
+                self.catalog.abort(alloc_id)
+        for lease_id in list(session.leases):
+            with contextlib.suppress(UnknownHandleError):
+                self.catalog.release(lease_id)
+        if session.allocs or session.leases:
+            log.info("client %d left: aborted %d allocations, released %d leases",
+                     session.id, len(session.allocs), len(session.leases))  # fmt: skip
+        session.allocs.clear()
+        session.leases.clear()
+        self.sessions.pop(session.id, None)
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._next_session += 1
+        session = self.sessions[self._next_session] = Session(self._next_session)
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(P.HEADER.size)
+                except asyncio.IncompleteReadError:
+                    break
+                (length,) = P.HEADER.unpack(header)
+                if length > P.MAX_FRAME:
+                    # Skip the body to stay in step with the stream, then say why it was refused.
+                    remaining = length
+                    while remaining:
+                        chunk = await reader.read(min(remaining, 1 << 20))
+                        if not chunk:
+                            break
+                        remaining -= len(chunk)
+                    self.errors[("other", P.OVERSIZED)] += 1
+                    reply = P.error(0, P.OVERSIZED, f"frame of {length} bytes exceeds {P.MAX_FRAME}; send fewer keys")
+                    writer.write(P.pack(reply))
+                else:
+                    body = await reader.readexactly(length)
+                    started = time.perf_counter()
+                    op, reply = self.handle_frame(session, body)
+                    writer.write(P.pack(reply))
+                    # Service time: decode, work, encode (the socket and queueing are the client's view).
+                    self.latency.labels(op).observe(time.perf_counter() - started)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.drop(session)
+            writer.close()
+
+    # ---- process lifecycle -----------------------------------------------------------------------
+    def start_http(self) -> int:
+        """Serve /metrics, /healthz and /readyz from a thread; returns the bound port."""
+        self._http = http.start(self, self.config.agent.metrics_host, self.metrics_port)
+        self.metrics_port = self._http.server_port
+        return self.metrics_port
+
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        path = Path(self.config.agent.socket)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)  # a stale socket of a previous (killed) agent
+        server = await asyncio.start_unix_server(self._serve_connection, path=str(path))
+        os.chmod(path, 0o660)
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(RuntimeError, ValueError):  # not the main thread (tests)
+                loop.add_signal_handler(sig, stop.set)
+        self.ready = True
+        log.info("serving %s; metrics on port %d", path, self.metrics_port)
+        async with server:
+            await stop.wait()
+        self.ready = False
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        self.journal.close()
+        self.dram.close(unlink=False)  # the pool outlives the agent process
+
+
+Handler = Callable[[Agent, Session, dict[str, Any]], Any]
+OPS: dict[str, Handler] = {
+    name.removeprefix("op_"): getattr(Agent, name) for name in vars(Agent) if name.startswith("op_")
+}
+
+
+def _owned(held: set[int], handle: int, what: str) -> int:
+    if handle not in held:
+        raise UnknownHandleError(f"id: {what} {handle} is not held by this connection")
+    return handle
+
+
+def _columns(rows: Sequence[Location], **fields: int) -> dict[str, list[int]]:
+    """Columns of Location tuples (``itemgetter`` keeps the per-row cost in C; ``zip(*rows)`` does not)."""
+    return {name: list(map(operator.itemgetter(i), rows)) for name, i in fields.items()}

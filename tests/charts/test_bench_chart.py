@@ -1,0 +1,246 @@
+"""The staging benchmark chart (charts/flatcake-bench) with the real helm, and its command lines run
+here: the Locust master Job and two workers as separate processes on loopback against the emulator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from flatcake.chart import REPO
+from flatcake.loadgen.traces.formats import BUNDLED_TRACE, read_trace
+from flatcake.operator import render as R
+from flatcake.operator.spec import parse_spec
+from tests.support.helm import KUBERNETES, helm
+from tests.support.helm import render as render_chart
+from tests.support.kube_api import admit
+
+CHART = REPO / "charts" / "flatcake-bench"
+TRACE = BUNDLED_TRACE
+BASE = ["--set", "trace.configMap.name=trace"]
+COMBINATIONS = {
+    "emulator": [*BASE, "--set", "emulator.enabled=true", "--set", "workers=3"],
+    "sglang-devices": [
+        *BASE,
+        "--set",
+        "sglang.enabled=true",
+        "--set",
+        "sglang.image=registry.local/sglang-flatcake:1",
+        "--set",
+        "target.api=sglang",
+    ],
+    "sglang-directory": [
+        *BASE,
+        "--set",
+        "sglang.enabled=true",
+        "--set",
+        "sglang.image=registry.local/sglang-flatcake:1",
+        "--set",
+        "sglang.flatcake.directory=/mnt/nvme",
+        "--set",
+        "sglang.flatcake.hugepageSize=none",
+        "--set",
+        "sglang.flatcake.namespace=kv",
+    ],
+    "external-pvc": [
+        "--set",
+        "trace.pvc.claimName=traces",
+        "--set",
+        "trace.pvc.path=mooncake/conversation.jsonl",
+        "--set",
+        "target.url=http://vllm.inference:8000",
+        "--set",
+        "results.pvc.claimName=results",
+        "--set",
+        "run.qps={1,2,4,8}",
+    ],
+}
+
+
+def render(*values: str) -> list[dict[str, Any]]:
+    return render_chart(*values, chart=CHART, release="bench", namespace="bench")
+
+
+def find(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix))
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_lint_and_every_manifest_validates(name: str) -> None:
+    out = helm("lint", "--strict", str(CHART), *COMBINATIONS[name])
+    assert out.returncode == 0 and "[WARNING]" not in out.stdout, out.stdout + out.stderr
+    docs = render(*COMBINATIONS[name])
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+    assert ("Job", "bench-flatcake-bench-master") in kinds and ("Job", "bench-flatcake-bench-workers") in kinds
+
+
+def test_bad_values_are_refused_naming_the_field() -> None:
+    emulated = ["--set", "emulator.enabled=true"]
+    for values, field in (
+        (emulated, "trace"),
+        ([*emulated, "--set", "trace.configMap.name=a", "--set", "trace.pvc.claimName=b"], "trace"),
+        (BASE, "target.url"),
+        ([*BASE, "--set", "sglang.enabled=true"], "sglang.image"),
+        ([*BASE, "--set", "emulator.enabled=true", "--set", "run.qps={0}"], "qps"),
+        ([*BASE, "--set", "target.url=ftp://x"], "url"),
+    ):
+        out = helm("template", "bench", str(CHART), *values)
+        assert out.returncode != 0 and field in out.stderr, (values, out.stderr)
+
+
+def test_results_go_to_the_pvc_or_are_held_for_kubectl_cp() -> None:
+    held = find(render(*COMBINATIONS["emulator"]), "Job", "-master")["spec"]["template"]["spec"]
+    assert "--hold" in held["containers"][0]["args"] and held["volumes"][-1] == {"name": "results", "emptyDir": {}}
+    kept = find(render(*COMBINATIONS["external-pvc"]), "Job", "-master")["spec"]["template"]["spec"]
+    assert "--hold" not in kept["containers"][0]["args"]
+    assert kept["volumes"][-1]["persistentVolumeClaim"]["claimName"] == "results"
+    args = kept["containers"][0]["args"]
+    assert args[args.index("--target") + 1] == "http://vllm.inference:8000"
+    assert args[args.index("--trace") + 1] == "/trace/mooncake/conversation.jsonl"
+
+
+@pytest.mark.parametrize("name", ["sglang-devices", "sglang-directory"])
+def test_sglang_example_matches_sglangs_parser_and_the_agents_paths(name: str) -> None:
+    """The command line goes through SGLang's own argument parser (sglang 0.5.23 is importable here),
+    and the mounted host paths are the ones the operator gives the node agents of that cache."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    from sglang.srt.server_args import ServerArgs
+
+    docs = render(*COMBINATIONS[name])
+    pod = find(docs, "Deployment", "-sglang")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["command"] == ["python3", "-m", "sglang.launch_server"]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(container["args"])  # exits on an unknown or malformed flag
+    assert args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic" and args.page_size == 64
+    extra = json.loads(args.hicache_storage_backend_extra_config)
+    module = __import__(extra["module_path"], fromlist=[extra["class_name"]])
+    assert issubclass(getattr(module, extra["class_name"]), HiCacheStorage)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+    directory = name == "sglang-directory"
+    namespace = "kv" if directory else "bench"
+    cache = R.Cache("flatcake", namespace, "")
+    body = {
+        "dram": {"hugepageSize": "none" if directory else "2Mi"},
+        "ssd": {"directory": "/mnt/nvme"} if directory else {"devices": ["/dev/nvme0n1"]},
+    }
+    spec = parse_spec(admit("flatcake.io", "flatcakecaches", {"spec": body})["spec"])
+    config = R.engine_config(spec, cache)
+    assert extra["socket"] == config["agent"]["socket"]
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert str(Path(config["ssd"]["dir"]).parent) in mounts  # the pool root, where the pool files are
+    assert str(Path(config["agent"]["socket"]).parent) in mounts  # socket and the shared DRAM pool file
+    assert ("/dev/hugepages" in mounts) == (not directory)
+    term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert term["matchExpressions"][0]["key"] == R.ready_label(cache)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _localize(args: list[str], replace: dict[str, str]) -> list[str]:
+    out = list(args)
+    for flag, value in replace.items():
+        if flag in out:
+            out[out.index(flag) + 1] = value
+    return out
+
+
+def test_master_and_two_workers_run_the_charts_command_lines(tmp_path: Path) -> None:
+    docs = render(
+        *BASE,
+        "--set",
+        "emulator.enabled=true",
+        "--set",
+        "workers=2",
+        "--set",
+        "run.limit=12",
+        "--set",
+        "run.qps={4,8}",
+        "--set",
+        "system=emulated",
+        "--set",
+        "context=staging-test/bench",
+    )
+    master = find(docs, "Job", "-master")["spec"]["template"]["spec"]["containers"][0]
+    worker = find(docs, "Job", "-workers")["spec"]["template"]["spec"]["containers"][0]
+    assert master["command"] == worker["command"] == ["flatcake", "loadgen", "bench"]
+    assert worker["ports"] == [{"name": "metrics", "containerPort": 9646}]
+    service = find(docs, "Service", "-loadgen")
+    assert service["metadata"]["labels"]["flatcake.io/metrics"] == "true" and service["spec"]["clusterIP"] == "None"
+    exe = str(Path(sys.executable).parent / "flatcake")
+    emulator_port, master_port = _free_port(), _free_port()
+    emulator = subprocess.Popen(
+        [exe, "emulate", "--mode", "dram", "--port", str(emulator_port), "--data-dir", str(tmp_path / "emu")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    local = {
+        "--target": f"http://127.0.0.1:{emulator_port}",
+        "--trace": str(TRACE),
+        "--master-port": str(master_port),
+        "--master-host": "127.0.0.1",
+        "--hold": "0",
+    }
+    procs = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", emulator_port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the emulator did not start"
+                time.sleep(0.2)
+        logs = tmp_path / "logs"
+        logs.mkdir()
+        for role, c, results in (
+            ("master", master, tmp_path / "results"),
+            ("worker-0", worker, tmp_path / "w0"),
+            ("worker-1", worker, tmp_path / "w1"),
+        ):
+            argv = [exe, *c["command"][1:], *_localize(c["args"], local | {"--results": str(results)})]
+            with open(logs / f"{role}.out", "w") as out:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT))
+        codes = [p.wait(timeout=240) for p in procs]
+        assert codes == [0, 0, 0], {p.name: p.read_text()[-2000:] for p in logs.iterdir()}
+    finally:
+        for p in [*procs, emulator]:
+            p.kill() if p.poll() is None else None
+        emulator.wait(10)
+    results = tmp_path / "results"
+    want = set(range(len(list(read_trace(TRACE, 12)))))  # record indices are positions in the slice
+    for qps in ("4", "8"):
+        records = [
+            json.loads(line)
+            for line in (results / "emulated" / f"qps-{qps}" / "results.jsonl").read_text().splitlines()
+        ]
+        assert len(records) == 12 and {r["index"] for r in records} == want  # the trace slice, each once
+        assert all(r["ok"] for r in records)
+    report = json.loads((results / "report.json").read_text())
+    assert report["meta"]["context"] == "staging-test/bench" and set(report["systems"]) == {"emulated"}
+    assert {p["requests"] for p in report["systems"]["emulated"].values()} == {12}
+    assert all((results / p).stat().st_size > 0 for p in report["plots"])
+
+
+def test_sglang_affinity_uses_the_operators_ready_label_for_long_names() -> None:
+    cache = "c" * 70 + "-.x"
+    docs = render(*COMBINATIONS["sglang-devices"], "--set", f"sglang.flatcake.cache={cache}")
+    pod = find(docs, "Deployment", "-sglang")["spec"]["template"]["spec"]
+    term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert term["matchExpressions"][0]["key"] == R.ready_label(R.Cache(cache, "bench", ""))

@@ -1,0 +1,116 @@
+"""The Helm chart with the real helm (v4, from PyPI; bin/_bootstrap puts it in .venv/bin): lint,
+render for several value combinations, and validate every manifest against the Kubernetes OpenAPI
+schemas (kubernetes-validate, pinned version) and the FlatCake CRD schemas."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from flatcake import chart
+from tests.support.helm import KUBERNETES, helm, render
+from tests.support.kube_api import admit
+
+CHART = chart.CHART
+COMBINATIONS = {
+    "defaults": [],
+    "everything": [
+        "--set",
+        "exampleCache.enabled=true",
+        "--set",
+        "serviceMonitor.enabled=true",
+        "--set",
+        "prometheusRule.enabled=true",
+        "--set",
+        "serviceMonitor.labels.release=kps",
+        "--set",
+        "operator.watchNamespaces={kv,bench}",
+    ],
+    "minimal": [
+        "--set",
+        "dashboards.enabled=false",
+        "--set",
+        "rbac.create=false",
+        "--set",
+        "serviceAccount.create=false",
+        "--set",
+        "serviceAccount.name=existing",
+    ],
+}
+EXTERNAL_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_helm_lint_is_clean(name: str) -> None:
+    out = helm("lint", "--strict", str(CHART), *COMBINATIONS[name])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_every_rendered_manifest_validates(name: str) -> None:
+    docs = render(*COMBINATIONS[name])
+    kinds = [(d["apiVersion"], d["kind"]) for d in docs]
+    assert ("apps/v1", "Deployment") in kinds and kinds.count(
+        ("apiextensions.k8s.io/v1", "CustomResourceDefinition")
+    ) == 2
+    for doc in docs:
+        key = (doc["apiVersion"], doc["kind"])
+        if key == ("flatcake.io/v1alpha1", "FlatCakeCache"):
+            admit("flatcake.io", "flatcakecaches", doc)  # the CRD's own schema
+        elif key in EXTERNAL_KINDS:
+            assert doc["spec"], doc  # Prometheus Operator CRDs are not in the Kubernetes schemas
+        else:
+            kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+    if name == "minimal":
+        assert not {"ClusterRole", "ServiceAccount", "ConfigMap"} & {k for _, k in kinds}
+        deployment = next(d for d in docs if d["kind"] == "Deployment")
+        assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
+
+
+def test_values_schema_names_the_bad_field() -> None:
+    out = helm("template", "fc", str(CHART), "--set", "operator.resyncSeconds=1")
+    assert out.returncode != 0 and "resyncSeconds" in out.stderr
+    out = helm("template", "fc", str(CHART), "--set", "image.pullPolicy=Sometimes")
+    assert out.returncode != 0 and "pullPolicy" in out.stderr
+    out = helm("template", "fc", str(CHART), "--set", "operatr.resources=1")
+    assert out.returncode != 0 and "operatr" in out.stderr
+
+
+def test_chart_copies_are_current() -> None:
+    assert chart.stale() == [], "the chart's copies are stale: run bin/generate"
+
+
+def test_dashboard_config_maps_are_the_dashboards() -> None:
+    """Issue 6: the chart's ConfigMaps carry exactly dashboards/*.json, labelled for Grafana's sidecar."""
+    docs = [d for d in render() if d["kind"] == "ConfigMap"]
+    sources = {p.name: json.loads(p.read_text()) for p in (chart.REPO / "dashboards").glob("*.json")}
+    shipped = {}
+    for cm in docs:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        ((key, text),) = cm["data"].items()
+        shipped[key] = json.loads(text)
+    assert shipped == sources and len(shipped) == 4
+
+
+def test_prometheus_rule_carries_the_shipped_rules() -> None:
+    rule = next(d for d in render("--set", "prometheusRule.enabled=true") if d["kind"] == "PrometheusRule")
+    source = yaml.safe_load((chart.REPO / "dashboards" / "prometheus-rules.yml").read_text())
+    assert rule["spec"] == source
+
+
+def test_crds_validate_and_the_chart_ships_them() -> None:
+    for path in sorted((chart.REPO / "crds").glob("*.yaml")):
+        kubernetes_validate.validate(yaml.safe_load(path.read_text()), KUBERNETES, strict=True)
+    shipped = {d["metadata"]["name"] for d in render() if d["kind"] == "CustomResourceDefinition"}
+    assert shipped == {"flatcakecaches.flatcake.io", "flatcakenodes.flatcake.io"}
+
+
+def test_notes_tell_what_to_apply_next() -> None:
+    out = helm("install", "fc", str(CHART), "--dry-run=client", "--namespace", "flatcake")
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert "kind: FlatCakeCache" in notes and "kubectl label node" in notes

@@ -1,0 +1,101 @@
+"""Every dashboard query, and the shipped rules, against a real Prometheus scraping real processes:
+a node agent, an emulator that is its client, and the Locust replay's own metrics endpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from flatcake import dashboards as D
+from flatcake.errors import ProtocolError
+from flatcake.loadgen.bench import e2e
+from flatcake.loadgen.emulator.server import EmulatorConfig
+from flatcake.loadgen.replay.run import LoadgenConfig
+from flatcake.loadgen.replay.run import run as run_locust
+from flatcake.node_agent.service.client import AgentConnection
+from tests.support.agents import AgentThread
+from tests.support.emulators import Server
+
+RULES = D.ROOT / "prometheus-rules.yml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def query(base: str, expr: str) -> dict:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_promtool_accepts_the_rules() -> None:
+    out = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert out.returncode == 0 and "SUCCESS: 6 rules found" in out.stdout, out.stdout + out.stderr
+
+
+def test_every_panel_query_returns_data(tmp_path: Path, agent_thread: Callable[..., AgentThread]) -> None:
+    assert shutil.which("prometheus"), "bin/test installs Debian's prometheus package"
+    agent = agent_thread(layers=4, page_bytes=16384, files=64, file_bytes=4 << 20, dram_bytes=4 << 20)
+    emu = Server(EmulatorConfig(mode="flatcake", data_dir=str(tmp_path / "emu"), agent_socket=agent.socket,
+                                hbm_bytes=2 << 20, prefill_tokens_per_s=50_000.0))  # fmt: skip
+    loadgen_port, prom_port = free_port(), free_port()
+    targets = [f"127.0.0.1:{p}" for p in (agent.port, emu.port, loadgen_port)]
+    config = tmp_path / "prometheus.yml"
+    config.write_text(json.dumps({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": "flatcake", "static_configs": [{"targets": targets}]}],
+    }))  # fmt: skip
+    prom = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    base = f"http://127.0.0.1:{prom_port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(base + "/-/ready", timeout=2)
+                break
+            except OSError:
+                assert prom.poll() is None and time.monotonic() < deadline, "prometheus did not start"
+                time.sleep(0.2)
+        conn = AgentConnection(agent.socket)
+        with pytest.raises(ProtocolError):  # one refused request, so the error panel has a series
+            conn.call("stats")
+        conn.close()
+        rc = run_locust(LoadgenConfig(host=f"http://127.0.0.1:{emu.port}", trace=str(e2e.BUNDLED), qps=3.0,
+                                      system="flatcake", results=str(tmp_path / "r.jsonl"), limit=24,
+                                      metrics_port=loadgen_port, margin_s=60))  # fmt: skip
+        assert rc == 0
+        time.sleep(3)  # a few more scrapes and rule evaluations
+        assert len(query(base, "up == 1")["data"]["result"]) == 2  # agent and emulator; Locust has exited
+        empty = []
+        for name in D.NAMES:
+            for expr in D.expressions(D.render(name)):
+                concrete = expr.replace("$system", ".*").replace("$node", ".*")
+                answer = query(base, concrete)
+                assert answer["status"] == "success", (name, concrete, answer)
+                if not answer["data"]["result"]:
+                    empty.append((name, concrete))
+        assert not empty, empty
+        rules = json.loads(urllib.request.urlopen(base + "/api/v1/rules", timeout=10).read())["data"]["groups"]
+        loaded = [r for g in rules for r in g["rules"]]
+        assert len(loaded) == 6 and all(r["health"] == "ok" for r in loaded), loaded
+        hit = query(base, "flatcake:delivered_hit_rate:rate5m")["data"]["result"]
+        assert hit and 0 < float(hit[0]["value"][1]) <= 1
+    finally:
+        prom.terminate()
+        prom.wait(30)
+        emu.stop()

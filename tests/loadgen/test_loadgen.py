@@ -1,0 +1,141 @@
+"""The benchmarking platform's moving parts: emulator API conformance, replay timing, loopback-only
+targets, the report and one small end-to-end run through Locust."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from flatcake.loadgen.bench import e2e
+from flatcake.loadgen.emulator.server import EmulatorConfig, page_keys
+from flatcake.loadgen.replay.requests import prompt_tokens, schedule
+from flatcake.loadgen.replay.run import LoadgenConfig, check_loopback, command
+from flatcake.loadgen.report import build as R
+from flatcake.loadgen.traces.formats import TraceRequest, read_trace
+from tests.support.emulators import Server
+
+
+@pytest.fixture(params=["flatcake", "tiered"])
+def emulator(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
+    server = Server(EmulatorConfig(mode=request.param, data_dir=str(tmp_path), ssd_bytes=256 << 20,
+                                   scope_file_bytes=4 << 20, decode_tokens_per_s=1000.0))  # fmt: skip
+    yield server
+    server.stop()
+
+
+def test_an_openai_client_streams_from_the_emulator(emulator: Server) -> None:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{emulator.port}/v1", api_key="unused")
+    prompt = list(range(2000))
+    seen = []
+    for _ in range(2):
+        stream = client.completions.create(model="m", prompt=prompt, max_tokens=4, stream=True,
+                                           stream_options={"include_usage": True})  # fmt: skip
+        chunks = list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        usage = next(c.usage for c in chunks if c.usage)
+        assert text.split() == ["t0", "t1", "t2", "t3"]
+        assert usage.prompt_tokens == 2000 and usage.completion_tokens == 4
+        seen.append(usage.prompt_tokens_details.cached_tokens)  # type: ignore[union-attr]
+    assert seen == [0, 1792]  # the second time, all seven full 256-token pages are cached
+    full = client.completions.create(model="m", prompt=prompt, max_tokens=2)
+    assert full.choices[0].finish_reason == "length" and full.usage is not None
+
+
+def test_generate_and_bad_requests(emulator: Server) -> None:
+    import urllib.error
+    import urllib.request
+
+    def post(path: str, payload: object) -> tuple[int, dict]:
+        req = urllib.request.Request(f"http://127.0.0.1:{emulator.port}{path}", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, body = post("/generate", {"input_ids": list(range(600)), "sampling_params": {"max_new_tokens": 3}})
+    assert status == 200 and body["text"].split() == ["t0", "t1", "t2"] and body["meta_info"]["prompt_tokens"] == 600
+    assert post("/v1/completions", {"prompt": [1.5]})[0] == 400
+    status, body = post("/v1/completions", {"prompt": [1, 2], "max_tokens": 0})
+    assert status == 400 and "max_tokens" in body["error"]["message"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{emulator.port}/metrics") as r:
+        text = r.read().decode()
+    assert "flatcake_prompt_tokens_total" in text and "flatcake_hit_tokens_total" in text
+
+
+def test_page_keys_are_prefix_chained() -> None:
+    a, b = page_keys(list(range(600)), 256), page_keys([*range(512), 7, 7, 7], 256)
+    assert len(a) == 2 and a == b[:2]  # same first two pages, partial last page not cached
+    assert page_keys([9, *range(1, 600)], 256)[1] != a[1]  # a different first page changes every later key
+
+
+def test_replay_schedule_scales_to_the_target_rate() -> None:
+    reqs = [TraceRequest(t, 512, 1, (i,)) for i, t in enumerate([0, 1000, 1500, 4000, 10_000])]
+    items = schedule(reqs, qps=2.0)  # native rate: 4 gaps in 10 s = 0.4/s, played 5x faster
+    assert [round(i.at, 3) for i in items] == [0.0, 0.2, 0.3, 0.8, 2.0]
+    shared = [TraceRequest(0, 700, 1, (5, 6)), TraceRequest(1, 512, 1, (5,))]
+    assert prompt_tokens(shared[0])[:512] == prompt_tokens(shared[1])  # shared hash ids: shared tokens
+
+
+def test_local_runs_only_target_loopback() -> None:
+    check_loopback("http://127.0.0.1:8000")
+    check_loopback("http://localhost:8000")
+    with pytest.raises(ValueError, match="not on loopback"):
+        check_loopback("http://10.0.0.1:8000")
+    cmd = command(LoadgenConfig(host="http://127.0.0.1:1", trace=str(e2e.BUNDLED), qps=4, system="x",
+                                results="r.jsonl", limit=20, role="master", workers=2))  # fmt: skip
+    assert "--master" in cmd and cmd[cmd.index("--expect-workers") + 1] == "2" and "--run-time" in cmd
+
+
+def test_end_to_end_through_locust_then_the_report(tmp_path: Path) -> None:
+    """A small replay per system through the real Locust, emulator and agent processes."""
+    cfg = e2e.E2EConfig(requests=12, qps=(6.0,), systems=("flatcake", "none"))
+    started = time.monotonic()
+    report = e2e.run(cfg, tmp_path, log=lambda _: None)
+    runs = {name: runs["6"] for name, runs in report["systems"].items()}
+    assert set(runs) == {"flatcake", "none"} and all(r["requests"] == 12 and r["errors"] == 0 for r in runs.values())
+    # Replay timing: every request left within 0.5 s of its scaled schedule.
+    for line in (tmp_path / "flatcake" / "qps-6" / "results.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["sent"] - rec["scheduled"] < 0.5
+    ideal = report["meta"]["ideal_hit_rate_pages"]
+    assert 0 < runs["flatcake"]["delivered_hit_rate"] <= ideal + 1e-9
+    assert runs["none"]["hit_composition"]["ssd"] == 0 and runs["flatcake"]["hit_composition"]["ssd"] > 0
+    for name in report["plots"]:
+        png = tmp_path / name
+        assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5_000
+    assert (tmp_path / "report.md").read_text().count("| flatcake |") == 1
+    assert "<table>" in (tmp_path / "report.html").read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["meta"]["requests"] == 12
+    assert "flatcake" in R.format_table(report)
+    assert time.monotonic() - started < 240
+    assert len(list(read_trace(cfg.trace, 12))) == 12
+
+
+def test_report_names_the_context_of_runs_made_elsewhere(tmp_path: Path) -> None:
+    """`flatcake loadgen run` against any endpoint, then `flatcake report --context`: the page says where."""
+    from flatcake.loadgen.replay.requests import Record
+
+    run = tmp_path / "vllm-staging" / "qps-2"
+    run.mkdir(parents=True)
+    recs = [
+        Record(i, "vllm-staging", 2.0, i * 0.5, i * 0.5, 0.2, 0.4, 1000, 16, 600, {"hbm": 600}, True) for i in range(4)
+    ]
+    (run / "results.jsonl").write_text("".join(r.to_json() + "\n" for r in recs))
+    exe = Path(sys.executable).parent / "flatcake"
+    out = subprocess.run(
+        [str(exe), "report", str(tmp_path), "--context", "staging-eu/kv"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["meta"]["context"] == "staging-eu/kv" and set(report["systems"]) == {"vllm-staging"}
+    assert report["systems"]["vllm-staging"]["2"]["delivered_hit_rate"] == pytest.approx(0.6)
+    assert "staging-eu/kv" in (tmp_path / "report.md").read_text()

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flatcake.node_agent.policy.coalesce import coalesce, pack, plan_restore
+
+PAGE = 4096
+Desc = tuple[int, int, int]  # file, offset, length
+
+
+@st.composite
+def descriptor_sets(draw: st.DrawFn) -> list[Desc]:
+    """Page-aligned, non-overlapping ranges spread over a few files, in random order."""
+    out: list[Desc] = []
+    for f in range(draw(st.integers(1, 3))):
+        for s in draw(st.sets(st.integers(0, 200), max_size=40)):
+            pages = draw(st.integers(1, 3))
+            if any(g == f and o < (s + pages) * PAGE and s * PAGE < o + n for g, o, n in out):
+                continue
+            out.append((f, s * PAGE, pages * PAGE))
+    return draw(st.permutations(out))
+
+
+def merge(desc: list[Desc], gap: int, max_bytes: int):  # type: ignore[no-untyped-def]
+    f, o, n = zip(*desc, strict=True) if desc else ((), (), ())
+    return coalesce(list(f), list(o), list(n), gap, max_bytes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    descriptor_sets(),
+    st.sampled_from([0, PAGE, 4 * PAGE, 16 * PAGE]),
+    st.sampled_from([3 * PAGE, 8 * PAGE, 1 << 20]),
+)
+def test_merged_ranges_cover_every_request_and_only_bridge_small_holes(
+    desc: list[Desc], gap: int, max_bytes: int
+) -> None:
+    cmds = merge(desc, gap, max_bytes)
+    seen = sorted(i for c in range(len(cmds)) for i, _, _ in cmds.pieces(c))
+    assert seen == list(range(len(desc)))  # every request, exactly once
+    for c in range(len(cmds)):
+        file, offset, length = int(cmds.file[c]), int(cmds.offset[c]), int(cmds.length[c])
+        assert length <= max_bytes
+        covered = []
+        for i, start, n in cmds.pieces(c):
+            f, o, ln = desc[i]
+            assert (f, offset + start, n) == (file, o, ln)
+            assert start >= 0 and start + n <= length
+            covered.append((start, start + n))
+        covered.sort()
+        assert covered[0][0] == 0 and covered[-1][1] == length  # nothing read outside the pieces' span
+        for (_, end), (start, _) in itertools.pairwise(covered):
+            assert start - end < max(gap, 1)  # extra bytes come only from holes smaller than Δgap
+    assert cmds.requested() == sum(n for _, _, n in desc)
+    # Commands of one file never overlap, and consecutive ones split only at a big hole or the cap.
+    ordered = sorted(range(len(cmds)), key=lambda c: (cmds.file[c], cmds.offset[c]))
+    for a, b in itertools.pairwise(ordered):
+        if cmds.file[a] == cmds.file[b]:
+            hole = int(cmds.offset[b] - (cmds.offset[a] + cmds.length[a]))
+            assert hole >= 0
+            assert hole >= gap or int(cmds.length[a]) + hole + int(cmds.length[b]) > max_bytes
+
+
+def test_gap_zero_merges_exact_neighbours_only() -> None:
+    desc = [(0, 0, PAGE), (0, PAGE, PAGE), (0, 3 * PAGE, PAGE)]
+    spans = lambda c: list(zip(c.offset.tolist(), c.length.tolist(), strict=True))  # noqa: E731
+    assert spans(merge(desc, 0, 1 << 20)) == [(0, 2 * PAGE), (3 * PAGE, PAGE)]
+    assert spans(merge(desc, 2 * PAGE, 1 << 20)) == [(0, 4 * PAGE)]
+    assert len(merge(desc, PAGE, 1 << 20)) == 2  # a hole of exactly Δgap is not bridged
+
+
+def test_different_files_never_merge() -> None:
+    assert len(merge([(0, 0, PAGE), (1, PAGE, PAGE)], 1 << 20, 1 << 20)) == 2
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match="gap"):
+        merge([], -1, PAGE)
+    with pytest.raises(ValueError, match="exceeds the staging slot"):
+        merge([(0, 0, 2 * PAGE)], 0, PAGE)
+    with pytest.raises(ValueError, match="length > 0"):
+        merge([(0, 0, 0)], 0, PAGE)
+    assert len(merge([], 0, PAGE)) == 0
+
+
+def test_pack_fills_slots_in_order() -> None:
+    assert pack(np.array([2, 2, 2, 2, 2]) * PAGE, 5 * PAGE) == [(0, 2), (2, 4), (4, 5)]
+    with pytest.raises(ValueError, match="exceeds the staging slot"):
+        pack(np.array([6 * PAGE]), 5 * PAGE)
+
+
+def test_plan_restore_is_in_layer_order_and_one_read_per_segment_layer() -> None:
+    # Two segments in one file (4 pages, then 2 pages) and one in another; 3 layers.
+    file = np.array([0, 0, 0, 0, 0, 0, 1])
+    seg1 = [j * PAGE for j in range(4)]
+    seg2 = [3 * 4 * PAGE + j * PAGE for j in range(2)]
+    base = np.array([*seg1, *seg2, 0])
+    stride = np.array([4 * PAGE] * 4 + [2 * PAGE] * 2 + [PAGE])
+    fills = plan_restore(file, base, stride, 3, PAGE, 0, 1 << 20)
+    assert [f.layer for f in fills] == [0, 1, 2]
+    for f in fills:
+        assert len(f.commands) == 3  # one command per segment-layer
+        assert f.commands.requested() == 7 * PAGE
+    fills = plan_restore(file, base, stride, 3, PAGE, 0, 4 * PAGE)
+    assert [f.layer for f in fills] == [0, 0, 1, 1, 2, 2] and all(f.nbytes <= 4 * PAGE for f in fills)

@@ -1,0 +1,224 @@
+"""The operator's pure decisions: spec checks, NodeIDs, destructive changes, status, rendering."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flatcake.node_agent.config import EngineConfig
+from flatcake.operator import changes, nodeids, render
+from flatcake.operator.spec import SpecError, check_node_count, check_node_fit, parse_quantity, parse_spec
+from flatcake.operator.status import NodeReport, aggregate
+from tests.support.kube_api import admit
+
+CACHE = render.Cache("main", "kv", "uid-1")
+
+
+def spec(**over: Any) -> dict[str, Any]:
+    body = {"ssd": {"devices": ["/dev/nvme0n1"]}}
+    body.update(over)
+    admitted: dict[str, Any] = admit("flatcake.io", "flatcakecaches", {"spec": body})["spec"]  # CRD defaults
+    return admitted
+
+
+def test_crd_defaults_render_a_config_the_agent_accepts() -> None:
+    for ssd in ({"devices": ["/dev/nvme0n1", "/dev/nvme1n1"]}, {"directory": "/data/kv"}):
+        for huge in ("2Mi", "1Gi", "none"):
+            parsed = parse_spec(spec(ssd=ssd, dram={"hugepageSize": huge}))
+            config = EngineConfig.from_dict(render.engine_config(parsed, CACHE))
+            assert config.ssd.file_count == 64 and config.ssd.file_bytes == 1 << 30
+            assert config.placement.agent_context_tokens == 32768 and config.io.gap_bytes == 65536
+            assert config.dram.huge_pages == (huge != "none")
+            assert config.cluster.cache == "main" and config.cluster.namespace == "kv"
+            assert config.ssd.extent_policy == ("refuse" if "devices" in ssd else "warn")
+
+
+def test_spec_errors_name_the_field() -> None:
+    cases = {
+        "spec.ssd": spec(ssd={"devices": ["/dev/a"], "directory": "/x"}),
+        "spec.ssd.lowWatermark": spec(ssd={"devices": ["/dev/a"], "lowWatermark": 0.95}),
+        "spec.ssd.fileSize": spec(ssd={"devices": ["/dev/a"], "fileSize": "64Ki"}),
+        "spec.dram.size": spec(dram={"size": "4Ki"}),
+    }
+    for field, body in cases.items():
+        with pytest.raises(SpecError) as err:
+            parse_spec(body)
+        assert err.value.field == field, (field, str(err.value))
+    broken = spec()
+    del broken["kv"]["layers"]
+    with pytest.raises(SpecError, match=r"spec\.kv\.layers: is required"):
+        parse_spec(broken)
+    with pytest.raises(SpecError, match="spec.dram.size"):
+        parse_quantity("12GB", "spec.dram.size")
+
+
+def test_node_fit_checks_hugepages_and_filesystem() -> None:
+    parsed = parse_spec(spec(dram={"size": "2Gi"}))
+    with pytest.raises(SpecError, match="spec.dram.size.*node-a.*hugepages-2Mi"):
+        check_node_fit(parsed, "node-a", {"hugepages-2Mi": "1Gi"}, None)
+    check_node_fit(parsed, "node-a", {"hugepages-2Mi": "2Gi"}, 64 << 30)
+    reserving = parse_spec(spec(dram={"size": "2Gi"}, prepare={"restartKubelet": True}))
+    check_node_fit(reserving, "node-a", {}, None)  # the agent reserves them
+    with pytest.raises(SpecError, match="spec.ssd.fileCount"):
+        check_node_fit(parsed, "node-a", {"hugepages-2Mi": "2Gi"}, 32 << 30)  # 64 x 1 GiB
+    check_node_count(4096)
+    with pytest.raises(SpecError, match="4096"):
+        check_node_count(4097)
+
+
+@given(
+    st.lists(st.sampled_from([f"n{i}" for i in range(40)]), unique=True, max_size=40),
+    st.lists(st.sampled_from([f"n{i}" for i in range(40)]), unique=True, max_size=40),
+    st.lists(st.sampled_from([f"n{i}" for i in range(40)]), unique=True, max_size=40),
+)
+def test_node_ids_are_stable_unique_and_never_reused_while_data_remains(
+    first: list[str], second: list[str], holding: list[str]
+) -> None:
+    ids1 = nodeids.assign({}, first, [])
+    ids2 = nodeids.assign(ids1, second, holding)
+    assert len(set(ids2.values())) == len(ids2)  # unique
+    for node, i in ids1.items():
+        if node in second or node in holding:
+            assert ids2[node] == i  # stable while selected or holding data
+    released = {i for n, i in ids1.items() if n not in ids2}
+    kept_holders = {ids1[n] for n in holding if n in ids1}
+    assert not released & kept_holders
+    assert set(second) <= ids2.keys()
+
+
+def test_node_ids_run_out_with_a_clear_error() -> None:
+    full = {f"n{i}": i for i in range(4096)}
+    with pytest.raises(SpecError, match="no NodeID left for node new"):
+        nodeids.assign(full, [*full, "new"], [])
+    assert nodeids.assign(full, ["new"], [])["new"] == 0  # nobody holds data: IDs are free again
+    with pytest.raises(ValueError, match="not an integer"):
+        nodeids.parse({"a": "x"})
+
+
+def test_destructive_changes() -> None:
+    base = render.engine_config(parse_spec(spec()), CACHE)
+
+    def with_(**over: Any) -> list[str]:
+        return changes.destructive_changes(base, render.engine_config(parse_spec(spec(**over)), CACHE))
+
+    assert with_() == []
+    assert with_(io={"gapBytes": 0}, placement={"agentContextTokens": 1000}) == []
+    assert with_(ssd={"devices": ["/dev/nvme0n1"], "fileCount": 128}) == []  # growing is safe
+    assert with_(ssd={"devices": ["/dev/nvme1n1"]})[0].startswith("spec.ssd.devices")
+    assert with_(ssd={"directory": "/data"})[0].startswith("spec.ssd:")
+    assert with_(ssd={"devices": ["/dev/nvme0n1"], "fileCount": 8})[0].startswith("spec.ssd.fileCount")
+    assert with_(ssd={"devices": ["/dev/nvme0n1"], "fileSize": "2Gi"})[0].startswith("spec.ssd.fileSize")
+    assert with_(kv={"layers": 80})[0].startswith("spec.kv")
+
+
+def test_status_conditions_and_transitions() -> None:
+    def report(node: str, ready: bool, error: str = "") -> NodeReport:
+        return NodeReport(node, 0, ready, 1 << 30, 0, 64 << 30, 0, error)
+
+    first = aggregate(selected=["a", "b"], reports=[report("a", True)], problem="", generation=1, previous={}, now="t1")
+    assert first["phase"] == "Progressing" and first["readyNodes"] == "1/2"
+    conds = {c["type"]: c for c in first["conditions"]}
+    assert conds["Ready"]["status"] == "False" and conds["Progressing"]["status"] == "True"
+    second = aggregate(
+        selected=["a", "b"],
+        reports=[report("a", True), report("b", True)],
+        problem="",
+        generation=1,
+        previous=first,
+        now="t2",
+    )
+    conds2 = {c["type"]: c for c in second["conditions"]}
+    assert second["phase"] == "Ready" and conds2["Ready"]["lastTransitionTime"] == "t2"
+    assert conds2["Degraded"]["lastTransitionTime"] == "t1"  # unchanged status keeps its time
+    assert second["ssd"] == "128Gi" and second["dram"] == "2Gi"
+    failing = aggregate(
+        selected=["a"],
+        reports=[report("a", False, "EIO on /dev/nvme0n1")],
+        problem="",
+        generation=1,
+        previous=second,
+        now="t3",
+    )
+    assert failing["phase"] == "Degraded" and "EIO" in failing["conditions"][2]["message"]
+    invalid = aggregate(
+        selected=["a"],
+        reports=[],
+        problem="spec.dram.size: too big",
+        generation=2,
+        previous=copy.deepcopy(second),
+        now="t4",
+    )
+    assert invalid["phase"] == "Degraded" and invalid["conditions"][2]["reason"] == "InvalidSpec"
+    assert invalid["observedGeneration"] == 2
+
+
+def test_agent_runs_with_no_privilege_but_ipc_lock() -> None:
+    parsed = parse_spec(spec(dram={"size": "1Gi", "hugepageSize": "none"}))
+    ds = render.daemon_set(parsed, CACHE, render.engine_config(parsed, CACHE))
+    pod = ds["spec"]["template"]["spec"]
+    agent = pod["containers"][0]
+    assert agent["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert agent["resources"]["limits"] == {"memory": str(render.AGENT_MEMORY_BYTES + (1 << 30))}  # tmpfs pool
+    assert pod["hostPID"] is False
+    assert not any(v["name"] == "hugepages" for v in pod["volumes"])
+    assert any(m.get("mountPropagation") == "Bidirectional" for m in pod["initContainers"][0]["volumeMounts"])
+
+
+def test_rendered_objects_validate_against_kubernetes_schemas() -> None:
+    import kubernetes_validate
+
+    from tests.support.helm import KUBERNETES
+
+    for over in (
+        {},
+        {"ssd": {"directory": "/data"}, "dram": {"hugepageSize": "none"}},
+        {"dram": {"hugepageSize": "1Gi", "size": "2Gi"}, "prepare": {"restartKubelet": True}},
+    ):
+        parsed = parse_spec(spec(**over))
+        config = render.engine_config(parsed, CACHE)
+        objects = [
+            render.config_map(CACHE, config),
+            render.node_ids_map(CACHE, {"node-a": 0}),
+            render.daemon_set(parsed, CACHE, config),
+            render.reclaim_daemon_set(parsed, CACHE),
+            render.service(parsed, CACHE),
+            render.service_account(CACHE),
+            render.role_binding(CACHE, "fc-flatcake-agent"),
+        ]
+        for obj in objects:
+            kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+        monitor = render.service_monitor(parsed, CACHE)
+        assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_operator_without_credentials_is_one_clear_error(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env |= {"KUBECONFIG": str(tmp_path / "missing"), "HOME": str(tmp_path)}
+    exe = Path(sys.executable).parent / "flatcake"
+    out = subprocess.run(
+        [str(exe), "operator", "--namespace", "kv"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 2, out.stderr
+    assert "no Kubernetes credentials" in out.stderr and "KUBECONFIG" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_ready_label_is_a_valid_label_key_for_any_cache_name() -> None:
+    import re
+
+    name_part = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
+    short = render.ready_label(render.Cache("main", "kv", ""))
+    assert short == "ready.flatcake.io/kv.main"
+    long = render.ready_label(render.Cache("c" * 200, "n" * 63, ""))
+    other = render.ready_label(render.Cache("c" * 199 + "d", "n" * 63, ""))
+    for key in (short, long, other):
+        assert name_part.match(key.split("/", 1)[1]), key
+    assert long != other

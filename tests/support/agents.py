@@ -1,0 +1,39 @@
+"""A real node agent serving its socket from a thread of the test process."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from flatcake.node_agent import EngineConfig
+from flatcake.node_agent.service.server import Agent
+
+
+class AgentThread:
+    """A real agent serving its socket from a thread of the test process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.agent = Agent(config)
+        self.port = self.agent.start_http()
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self.agent.serve(self._stop),))
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.agent.ready:
+            assert time.monotonic() < deadline, "agent did not become ready"
+            time.sleep(0.01)
+
+    @property
+    def socket(self) -> str:
+        return self.config.agent.socket
+
+    def stop(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+        self._loop.close()
+        self.agent.close()
