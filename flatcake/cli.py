@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import flatcake
 from flatcake.errors import FlatCakeError
 
 
@@ -168,6 +169,7 @@ def _operator(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flatcake", description="Flat DRAM+SSD KV-cache storage for LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {flatcake.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     restore = bench.add_parser("restore", help="restore bandwidth: FlatCake vs tiered vs per-block vs fio")

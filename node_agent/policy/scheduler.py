@@ -14,6 +14,9 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from flatcake.errors import ConfigError
+from flatcake.node_agent.constants import SCHEDULER_POLICIES
+
 DRAM_READY = "dram_ready"
 SSD_PREPARING = "ssd_preparing"
 
@@ -32,8 +35,8 @@ class Request:
 
 class Scheduler:
     def __init__(self, policy: str = "mas") -> None:
-        if policy not in ("mas", "fcfs"):
-            raise ValueError(f"scheduler: {policy!r} must be 'mas' or 'fcfs'")
+        if policy not in SCHEDULER_POLICIES:
+            raise ConfigError(f"scheduler.policy: {policy!r} must be one of {', '.join(SCHEDULER_POLICIES)}")
         self.policy = policy
         self._ready: list[tuple[float, int, Request]] = []  # heap by (arrival_ts, seq)
         self._preparing: dict[str, Request] = {}  # waiting for a prefetch to start

@@ -34,7 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from flatcake.errors import FlatCakeError
+from flatcake.errors import ConfigError, FlatCakeError
 from flatcake.node_agent.datapath.buffers import aligned_empty, round_up
 from flatcake.node_agent.datapath.engine import Engine
 from flatcake.node_agent.policy.placement import Hints
@@ -112,7 +112,10 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         passed = (extra_info.extra_info or {}) if extra_info is not None else {}
         fields.update({k: passed[k] for k in HINT_FIELDS if k in passed})
         fields["parent_key"] = prefix[-1] + self.suffix if prefix else None
-        return Hints.from_dict(fields)
+        try:
+            return Hints.from_dict(fields)
+        except ValueError as exc:  # hints a request passed: its data, not our bug; the put fails, named
+            raise ConfigError(f"extra_info.extra_info: {exc}") from None
 
     # ---- page conversion -------------------------------------------------------------------------
     def _layer_major(self, page: torch.Tensor) -> npt.NDArray[np.uint8]:

@@ -40,3 +40,17 @@ def test_round_trip_through_json(tmp_path: Path) -> None:
 def test_errors_name_the_field(data: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         EngineConfig.from_dict(data)
+
+
+def test_the_crd_offers_exactly_the_vocabularies_the_agent_accepts() -> None:
+    """Each setting's vocabulary is defined once (node_agent/constants.py); the CRD's enums must match."""
+    import yaml
+
+    from flatcake.node_agent import constants as C
+    from tests.support import ROOT
+
+    crd = yaml.safe_load((ROOT / "crds" / "flatcakecaches.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert tuple(spec["dram"]["properties"]["hugepageSize"]["enum"]) == C.HUGEPAGE_SIZES
+    assert tuple(spec["io"]["properties"]["backend"]["enum"]) == C.IO_BACKENDS
+    assert tuple(spec["scheduler"]["properties"]["policy"]["enum"]) == C.SCHEDULER_POLICIES

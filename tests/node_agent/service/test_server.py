@@ -184,3 +184,24 @@ def test_agent_error_type_for_unmapped_codes(agent_thread: Start) -> None:
     with pytest.raises(ProtocolError, match="not_registered"):
         conn.call("stats")
     conn.close()
+
+
+def test_an_unclosed_restore_is_released_without_deadlock(agent_thread: Start) -> None:
+    """A Restore dropped unclosed while its thread holds the agent connection's lock (a finalizer can
+    run anywhere) must not call the agent from the finalizer: it warns, and its pins are released once
+    the lock is free."""
+    import gc
+    import time
+
+    agent = agent_thread()
+    with connect(agent.socket) as e:
+        e.put(["a", "b"], pages(4, 2, 4096))
+        restore = e.get(["a", "b"], np.zeros((4, 2, 4096), np.uint8))
+        assert e.catalog.conn.call("stats")["leases"] == 1
+        with e.catalog.conn._lock, pytest.warns(ResourceWarning, match="not closed"):
+            del restore
+            gc.collect()  # the finalizer runs here, in the thread holding the lock: it must not block
+        deadline = time.monotonic() + 60
+        while e.catalog.conn.call("stats")["leases"]:
+            assert time.monotonic() < deadline, "the dropped restore's lease was never released"
+        assert e.exists(["a", "b"]) == 2
