@@ -91,13 +91,11 @@ class PrepareError(FlatCakeError):
     exit_code = 8
 
 
+# The class a client raises for each wire code: the most specific class the agent itself raises with it.
+_WIRE = (ConfigError, PoolFullError, UnknownKeyError, UnknownHandleError, StorageIOError, FencedError, PrepareError)
+_BY_CODE: dict[str, type[FlatCakeError]] = {cls.code: cls for cls in _WIRE}
+
+
 def by_code(code: str) -> type[FlatCakeError] | None:
-    """The most specific error class answered with ``code`` on the wire (None: a protocol-level code)."""
-    found: type[FlatCakeError] | None = None
-    pending: list[type[FlatCakeError]] = [FlatCakeError]
-    while pending:
-        cls = pending.pop()
-        if cls.code == code and cls is not ProtocolError:
-            found = cls
-        pending.extend(cls.__subclasses__())
-    return found
+    """The error class answered with ``code`` on the wire (None: a protocol-level code)."""
+    return _BY_CODE.get(code)

@@ -101,13 +101,14 @@ def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: An
             name = node["metadata"]["name"]
             check_node_fit(spec, name, node.get("status", {}).get("allocatable", {}), device_bytes.get(name))
         wanted = render.engine_config(spec, cache, wipe=spec.wipe_policy == "Wipe")
+        render.check_engine_config(wanted)  # the agent's own rules: what it would refuse is not deployed
         deployed = _deployed_config(kube, cache)
         if deployed is not None and spec.wipe_policy != "Wipe":
-            reasons = changes.destructive_changes(deployed, wanted)
-            if reasons:
-                field, why = reasons[0].split(": ", 1)
-                raise SpecError(field, f"{why}; this destroys the KV stored on every node. Revert the change, "
-                                       "or set spec.wipePolicy: Wipe to allow it")  # fmt: skip
+            found = changes.destructive_changes(deployed, wanted)
+            if found:
+                change = found[0]
+                raise SpecError(change.field, f"{change.why}; this destroys the KV stored on every node. Revert "
+                                              "the change, or set spec.wipePolicy: Wipe to allow it")  # fmt: skip
         ids_map = kube.get(K.CONFIG_MAPS, cache.namespace, render.names(cache)["node_ids"])
         ids = nodeids.assign(_parse_node_ids(ids_map), selected, [r.node for r in reports if r.holds_data])
         _write_node_ids(kube, cache, ids_map, ids)
@@ -163,12 +164,14 @@ def node_reported(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> No
     cache = kube.get(K.CACHES, namespace, cache_name)
     if cache is None or cache["metadata"].get("deletionTimestamp"):
         return
+    ident = render.Cache(cache_name, namespace, cache["metadata"].get("uid", ""))
     try:
-        selected = sorted(n["metadata"]["name"] for n in _selected_nodes(kube, parse_spec(cache.get("spec", {}))))
+        spec = parse_spec(cache.get("spec", {}))
+        render.check_engine_config(render.engine_config(spec, ident))
+        selected = sorted(n["metadata"]["name"] for n in _selected_nodes(kube, spec))
     except SpecError:
         selected = []  # the cache handler reports the spec; no node is ready for an invalid one
-    _label_node(kube, render.Cache(cache_name, namespace, cache["metadata"].get("uid", "")),
-                NodeReport.from_object(body), selected)  # fmt: skip
+    _label_node(kube, ident, NodeReport.from_object(body), selected)
     digest = reports_digest([NodeReport.from_object(r) for r in _reports(kube, namespace, cache_name)])
     if (cache["metadata"].get("annotations") or {}).get(REPORTS_DIGEST) != digest:
         kube.patch(K.CACHES, namespace, cache_name, {"metadata": {"annotations": {REPORTS_DIGEST: digest}}})

@@ -1,7 +1,8 @@
 """Everything the operator creates for one FlatCakeCache, as plain manifests (pure: no API calls).
 
 ``engine_config`` is the one function that turns a spec into the engine configuration; the agent
-reads exactly that JSON from the ConfigMap (``EngineConfig.from_dict``)."""
+reads exactly that JSON from the ConfigMap (``EngineConfig.from_dict``), and ``check_engine_config``
+runs that same model on it first, so what an agent would refuse never reaches a node."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from flatcake.errors import ConfigError
+from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.constants import HUGETLBFS_MOUNTS
-from flatcake.operator.spec import GROUP, VERSION, CacheSpec
+from flatcake.operator.spec import GROUP, VERSION, CacheSpec, SpecError
 
 CONFIG_KEY = "engine.json"
 CONFIG_DIR = "/etc/flatcake"
@@ -147,6 +150,50 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
             "report_interval_s": 10.0,
         },
     }
+
+
+# The spec field each checked engine field is rendered from (the prefix of EngineConfig's errors),
+# so that a refused configuration is reported in the vocabulary of the FlatCakeCache the user wrote.
+SPEC_FIELDS = {
+    "layers": "spec.kv.layers",
+    "page_bytes": "spec.kv.pageBytes",
+    "page_tokens": "spec.kv.pageTokens",
+    "dram.bytes": "spec.dram.size",
+    "prepare.hugepage_size": "spec.dram.hugepageSize",
+    "ssd.file_bytes": "spec.ssd.fileSize",
+    "ssd.file_count": "spec.ssd.fileCount",
+    "ssd.low_watermark/high_watermark": "spec.ssd.lowWatermark",
+    "io.backend": "spec.io.backend",
+    "io.workers": "spec.io.workers",
+    "io.gap_bytes": "spec.io.gapBytes",
+    "io.staging_layers": "spec.io.stagingLayers",
+    "io.staging_slot_bytes": "spec.io.stagingSlotBytes",
+    "io.streams": "spec.io.streams",
+    "placement.agent_context_tokens": "spec.placement.agentContextTokens",
+    "placement.agent_reply_tokens": "spec.placement.agentReplyTokens",
+    "placement.short_reply_tokens": "spec.placement.shortReplyTokens",
+    "agent.metrics_port": "spec.metrics.port",
+    "scheduler.policy": "spec.scheduler.policy",
+}
+
+
+def spec_error(exc: ConfigError) -> SpecError:
+    """EngineConfig's refusal (``<engine path>: <rule>``) as the spec field it was rendered from; a
+    field no spec field maps to (one the operator derives) keeps its engine path."""
+    path, _, rule = str(exc).partition(": ")
+    field = SPEC_FIELDS.get(path)
+    if field is None:
+        return SpecError(path, f"{rule} (in the rendered engine.json)")
+    return SpecError(field, f"{rule} (checked as {path} of the rendered engine.json)")
+
+
+def check_engine_config(config: dict[str, Any]) -> EngineConfig:
+    """The rendered configuration, read by the agent's own model: its rules are checked once, there,
+    and a refusal comes back as a SpecError naming the spec field."""
+    try:
+        return EngineConfig.from_dict(config)
+    except ConfigError as exc:
+        raise spec_error(exc) from exc
 
 
 def config_hash(config: dict[str, Any]) -> str:

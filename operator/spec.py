@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from flatcake.errors import ConfigError
 from flatcake.node_agent.constants import HUGEPAGE_BYTES, MAX_NODE_ID
 
 GROUP = "flatcake.io"
@@ -18,8 +19,8 @@ _UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 _QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
 
 
-class SpecError(ValueError):
-    """A spec the operator will not deploy: names the field and says what to do."""
+class SpecError(ConfigError):
+    """A spec the operator will not deploy: names the spec field and says what to do."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -106,7 +107,8 @@ class _Reader:
 
 
 def parse_spec(spec: dict[str, Any]) -> CacheSpec:
-    """The typed spec; raises SpecError for what the schema admits but FlatCake cannot run."""
+    """The typed spec; raises SpecError for what the schema admits but FlatCake cannot run and the
+    engine configuration cannot tell (the rest is checked on the rendered configuration)."""
     r = _Reader(spec)
     devices = tuple(r.get("ssd.devices", list, []))
     directory = r.get("ssd.directory", str, None)
@@ -147,19 +149,9 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
         reclaim_policy=r.get("reclaimPolicy", str, "Retain"),
         wipe_policy=r.get("wipePolicy", str, "Refuse"),
     )
-    if parsed.low_watermark > parsed.high_watermark:
-        raise SpecError(
-            "spec.ssd.lowWatermark",
-            f"{parsed.low_watermark} exceeds highWatermark {parsed.high_watermark}; reclaim runs from high down to low",
-        )
+    # Watermarks, file and staging slot sizes are the engine configuration's own rules: the rendered
+    # configuration is checked by EngineConfig (render.check_engine_config), not again here.
     slot = parsed.layers * parsed.page_bytes
-    if parsed.file_bytes < slot or parsed.file_bytes % 4096:
-        raise SpecError(
-            "spec.ssd.fileSize",
-            f"{parsed.file_bytes} bytes must be a multiple of 4096 holding one page of all layers ({slot} bytes)",
-        )
-    if parsed.staging_slot_bytes < parsed.page_bytes:
-        raise SpecError("spec.io.stagingSlotBytes", f"must be at least kv.pageBytes ({parsed.page_bytes})")
     if parsed.dram_bytes and parsed.dram_bytes < slot:
         raise SpecError("spec.dram.size", f"holds no page of all layers ({slot} bytes); raise it or set 0")
     return parsed

@@ -54,6 +54,7 @@ from flatcake.node_agent import (
     SsdConfig,
     aligned_empty,
 )
+from flatcake.node_agent.constants import SCHEDULER_POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ class EmulatorConfig:
     staging_tokens: int = 32_768  # tiered: host staging for in-flight prefetches
     prefill_tokens_per_s: float = 100_000.0
     decode_tokens_per_s: float = 200.0
-    scheduler: str = "mas"  # flatcake only; the tiered modes are FCFS as SGLang schedules
+    # flatcake only (the tiered modes are FCFS as SGLang schedules); None: the node agent's
+    # scheduler.policy when connected to one, else mas
+    scheduler: str | None = None
     prefetchers: int = 2
 
     @property
@@ -93,6 +96,8 @@ class EmulatorConfig:
             raise ValueError(f"mode: {self.mode!r} must be one of {MODES}")
         if self.page_bytes % 4096:
             raise ValueError("page_tokens x bytes_per_token_layer must be a multiple of 4096")
+        if self.scheduler is not None and self.scheduler not in SCHEDULER_POLICIES:
+            raise ValueError(f"scheduler: {self.scheduler!r} must be one of {', '.join(SCHEDULER_POLICIES)}")
 
 
 def page_keys(tokens: Sequence[int], page_tokens: int) -> list[str]:
@@ -145,7 +150,10 @@ class Storage:
             bucket = 64 * MiB
             self.tiered = TieredStore(root, layers=cfg.layers, page_bytes=cfg.page_bytes,
                                       dram_pages=max(1, cfg.dram_bytes // cfg.page_span), bucket_bytes=bucket,
-                                      buckets=cfg.ssd_bytes // bucket if cfg.mode == "tiered" else 0)  # fmt: skip
+                                      buckets=cfg.ssd_bytes // bucket if cfg.mode == "tiered" else 0,
+                                      # The main job's published numbers were measured with this reader;
+                                      # moving the emulator to whole pages comes with its recalibration.
+                                      reader="page_layer")  # fmt: skip
 
     def media(self, keys: list[str]) -> list[str]:
         """Medium of each page of the stored prefix of ``keys``."""
@@ -215,6 +223,19 @@ def engine_config(cfg: EmulatorConfig, root: Path) -> EngineConfig:
     )  # fmt: skip
 
 
+def scheduler_policy(cfg: EmulatorConfig, engine: Engine | None) -> str:
+    """How FlatCake orders requests: as chosen, else as its node agent hands clients at registration
+    (``scheduler.policy``: a cluster's setting reaches the serving side), else FC-MAS. The other
+    modes are FCFS, as SGLang schedules."""
+    if cfg.mode != "flatcake":
+        return "fcfs"
+    if cfg.scheduler is not None:
+        return cfg.scheduler
+    if cfg.agent_socket and engine is not None:
+        return engine.config.scheduler.policy
+    return "mas"
+
+
 class Emulator:
     def __init__(self, cfg: EmulatorConfig) -> None:
         self.cfg = cfg
@@ -225,8 +246,7 @@ class Emulator:
         # Write-time sharing signal: how many different continuations a page has had (a shared
         # system prompt or a fork point has several; a session's own history has one).
         self.children: dict[str | None, set[str]] = {}
-        policy = cfg.scheduler if cfg.mode == "flatcake" else "fcfs"
-        self.sched = Scheduler(policy)
+        self.sched = Scheduler(scheduler_policy(cfg, self.storage.engine))
         self.staging_tokens = 0
         self._cond: asyncio.Condition | None = None
         self._jobs: dict[str, _Job] = {}

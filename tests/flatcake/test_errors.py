@@ -27,7 +27,14 @@ def test_each_meaning_has_its_own_exit_code_and_every_code_maps_back() -> None:
         cls = E.by_code(code)
         assert cls is not None and cls.code == code
     assert E.by_code("unknown_handle") is E.UnknownHandleError
+    assert E.by_code("unknown_key") is E.UnknownKeyError and E.by_code("pool_full") is E.PoolFullError
     assert E.by_code("malformed") is None  # protocol-level codes stay ProtocolErrors
+
+
+def test_a_subclass_elsewhere_does_not_change_what_the_wire_maps_to() -> None:
+    from flatcake.operator.spec import SpecError  # a ConfigError with the same code
+
+    assert issubclass(SpecError, E.ConfigError) and E.by_code("bad_config") is E.ConfigError
 
 
 @pytest.mark.parametrize("cls", FAMILY)

@@ -341,6 +341,17 @@ async def test_invalid_spec_is_degraded_naming_the_field(cluster: Cluster) -> No
         await cluster.wait(healthy, "Degraded cleared")
 
 
+async def test_config_the_agent_would_refuse_is_degraded_naming_the_spec_field(cluster: Cluster) -> None:
+    """Pool files smaller than one page of all layers: admitted by the schema, refused by the engine
+    configuration's own rule on the rendered config, reported by spec field before reaching a node."""
+    async with running_operator(cluster.api):
+        await cluster.create(K.CACHES, cache_body(ssd={"devices": ["/dev/nvme0n1"], "fileSize": "64Ki"}))
+        cond = await _degraded_with(cluster, "spec.ssd.fileSize")
+        assert "one page of all layers" in cond["message"]
+        assert await cluster.get(K.DAEMON_SETS, f"{CACHE}-agent") is None  # nothing deployed
+        assert await cluster.get(K.CONFIG_MAPS, f"{CACHE}-config") is None
+
+
 async def test_pool_larger_than_a_nodes_filesystem_is_degraded(cluster: Cluster) -> None:
     async with running_operator(cluster.api):
         await cluster.create(K.CACHES, cache_body())

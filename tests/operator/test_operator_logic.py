@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from flatcake.errors import ConfigError
 from flatcake.node_agent.config import EngineConfig
 from flatcake.operator import changes, nodeids, render
 from flatcake.operator.spec import SpecError, check_node_count, check_node_fit, parse_quantity, parse_spec
@@ -44,20 +45,55 @@ def test_crd_defaults_render_a_config_the_agent_accepts() -> None:
 def test_spec_errors_name_the_field() -> None:
     cases = {
         "spec.ssd": spec(ssd={"devices": ["/dev/a"], "directory": "/x"}),
-        "spec.ssd.lowWatermark": spec(ssd={"devices": ["/dev/a"], "lowWatermark": 0.95}),
-        "spec.ssd.fileSize": spec(ssd={"devices": ["/dev/a"], "fileSize": "64Ki"}),
         "spec.dram.size": spec(dram={"size": "4Ki"}),
     }
     for field, body in cases.items():
         with pytest.raises(SpecError) as err:
             parse_spec(body)
         assert err.value.field == field, (field, str(err.value))
+        assert isinstance(err.value, ConfigError)  # one family: the CLI and the agent's wire code know it
     broken = spec()
     del broken["kv"]["layers"]
     with pytest.raises(SpecError, match=r"spec\.kv\.layers: is required"):
         parse_spec(broken)
     with pytest.raises(SpecError, match="spec.dram.size"):
         parse_quantity("12GB", "spec.dram.size")
+
+
+def test_what_the_engine_config_refuses_names_the_spec_field() -> None:
+    """The engine configuration's rules are checked once, by EngineConfig on the rendered config; its
+    refusal comes back naming the spec field the user wrote, with the rule to satisfy."""
+    cases = {
+        "spec.ssd.lowWatermark": ({"ssd": {"devices": ["/dev/a"], "lowWatermark": 0.95}}, "low=0.95"),
+        "spec.ssd.fileSize": ({"ssd": {"devices": ["/dev/a"], "fileSize": "64Ki"}}, "one page of all layers"),
+        "spec.io.stagingSlotBytes": ({"io": {"stagingSlotBytes": 4096}}, "at least page_bytes"),
+    }
+    for field, (over, rule) in cases.items():
+        parsed = parse_spec(spec(**over))  # the spec itself reads fine: only the engine knows the rule
+        with pytest.raises(SpecError) as err:
+            render.check_engine_config(render.engine_config(parsed, CACHE))
+        assert err.value.field == field, (field, str(err.value))
+        assert str(err.value).startswith(f"{field}: ") and rule in str(err.value), str(err.value)
+    unmapped = render.spec_error(ConfigError("ssd.extent_policy: 'x' must be one of warn, refuse"))
+    assert unmapped.field == "ssd.extent_policy"  # derived by the operator: the engine path is all there is
+
+
+def test_spec_fields_table_maps_engine_fields_to_crd_fields() -> None:
+    from tests.support.kube_api import crd_schema
+
+    def has(schema: dict[str, Any], path: list[str]) -> bool:
+        return not path or (path[0] in schema.get("properties", {}) and has(schema["properties"][path[0]], path[1:]))
+
+    spec_schema = crd_schema("flatcake.io", "flatcakecaches")["properties"]["spec"]
+    for engine_path, spec_path in render.SPEC_FIELDS.items():
+        head, _, pair = engine_path.partition("/")  # "ssd.low_watermark/high_watermark": a rule on two fields
+        section = head.rpartition(".")[0]
+        for path in [head, f"{section}.{pair}"] if pair else [head]:
+            node: Any = EngineConfig()
+            for name in path.split("."):
+                assert hasattr(node, name), engine_path
+                node = getattr(node, name)
+        assert spec_path.startswith("spec.") and has(spec_schema, spec_path.split(".")[1:]), spec_path
 
 
 def test_node_fit_checks_hugepages_and_filesystem() -> None:
@@ -107,16 +143,18 @@ def test_destructive_changes() -> None:
     base = render.engine_config(parse_spec(spec()), CACHE)
 
     def with_(**over: Any) -> list[str]:
-        return changes.destructive_changes(base, render.engine_config(parse_spec(spec(**over)), CACHE))
+        found = changes.destructive_changes(base, render.engine_config(parse_spec(spec(**over)), CACHE))
+        assert all(isinstance(c, changes.Change) and c.why for c in found)
+        return [c.field for c in found]
 
     assert with_() == []
     assert with_(io={"gapBytes": 0}, placement={"agentContextTokens": 1000}) == []
     assert with_(ssd={"devices": ["/dev/nvme0n1"], "fileCount": 128}) == []  # growing is safe
-    assert with_(ssd={"devices": ["/dev/nvme1n1"]})[0].startswith("spec.ssd.devices")
-    assert with_(ssd={"directory": "/data"})[0].startswith("spec.ssd:")
-    assert with_(ssd={"devices": ["/dev/nvme0n1"], "fileCount": 8})[0].startswith("spec.ssd.fileCount")
-    assert with_(ssd={"devices": ["/dev/nvme0n1"], "fileSize": "2Gi"})[0].startswith("spec.ssd.fileSize")
-    assert with_(kv={"layers": 80})[0].startswith("spec.kv")
+    assert with_(ssd={"devices": ["/dev/nvme1n1"]}) == ["spec.ssd.devices"]
+    assert with_(ssd={"directory": "/data"}) == ["spec.ssd"]
+    assert with_(ssd={"devices": ["/dev/nvme0n1"], "fileCount": 8}) == ["spec.ssd.fileCount"]
+    assert with_(ssd={"devices": ["/dev/nvme0n1"], "fileSize": "2Gi"}) == ["spec.ssd.fileSize"]
+    assert with_(kv={"layers": 80}) == ["spec.kv"]
 
 
 def test_status_conditions_and_transitions() -> None:
