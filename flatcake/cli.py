@@ -12,6 +12,7 @@ from pathlib import Path
 
 import flatcake
 from flatcake.errors import FlatCakeError
+from flatcake.node_agent.constants import SCHEDULER_POLICIES
 
 
 def _bench_restore(args: argparse.Namespace) -> int:
@@ -30,6 +31,30 @@ def _bench_restore(args: argparse.Namespace) -> int:
     report = br.run(cfg, Path(args.dir), sweep=args.sweep, quiet=args.quiet, log=lambda m: print(m, file=sys.stderr))
     print(br.format_table(report))
     _write_json(args.json, report)
+    return 0
+
+
+def _bench_peers(args: argparse.Namespace) -> int:
+    from flatcake.loadgen.bench import peers as bp
+
+    cfg = bp.QUICK if args.quick else bp.PeersConfig()
+    overrides = {k: v for k, v in vars(args).items() if k in bp.PeersConfig.__dataclass_fields__ and v is not None}
+    if args.budget_mib is not None:
+        overrides["budget_bytes"] = args.budget_mib * bp.MiB
+    if "systems" in overrides:
+        overrides["systems"] = tuple(overrides["systems"].split(","))
+        unknown = sorted(set(overrides["systems"]) - set(bp.PEERS))
+        if unknown:
+            raise ValueError(f"--systems: {unknown} are not systems; choose from {','.join(bp.PEERS)}")
+    cfg = dataclasses.replace(cfg, **overrides)
+    report = bp.run(cfg, Path(args.dir), quiet=args.quiet, log=lambda m: print(m, file=sys.stderr))
+    print(bp.format_table(report))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = bp.plot(report, out)
+    (out / "peers.md").write_text(bp.markdown(report, plots))
+    print(f"report: {out / 'peers.md'} (and plots)", file=sys.stderr)
+    _write_json(args.json or str(out / "peers.json"), report)
     return 0
 
 
@@ -190,6 +215,21 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--out", default="results/e2e", help="where runs, report and plots go")
     e2e.set_defaults(func=_bench_e2e)
 
+    peers = bench.add_parser("peers", help="FlatCake vs SGLang's file backend, Mooncake Store and tiered caches")
+    peers.add_argument("--quick", action="store_true", help="a small workload, one repeat, the CI systems")
+    peers.add_argument("--model", help="geometry preset: llama3-70b-tp4 or dsv4-flash (default)")
+    peers.add_argument("--trace", help="trace whose sessions are stored (default: a slice of Mooncake's conversations)")
+    peers.add_argument("--systems", help="comma-separated: flatcake,flatcake_engine,hicache_file,mooncake,tiered,...")
+    peers.add_argument("--json", metavar="PATH", help="write the results as JSON (default: OUT/peers.json)")
+    peers.add_argument("--out", default="results/peers", help="where plots and JSON go")
+    peers.add_argument("--dir", default=".flatcake-bench", help="scratch directory on the disk to measure")
+    peers.add_argument("--quiet", action="store_true", help="no progress bar")
+    for name in ("repeats", "sessions", "turns", "pages-per-turn", "layers", "page-layer-bytes", "page-tokens"):
+        peers.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
+    peers.add_argument("--dram-fraction", type=float, dest="dram_fraction", help="DRAM tier as a share of pages")
+    peers.add_argument("--budget-mib", type=int, help="the most one system stores, when --pages-per-turn is not given")
+    peers.set_defaults(func=_bench_peers)
+
     agent_bench = bench.add_parser("agent", help="control-path round trips through the agent vs in-process")
     agent_bench.add_argument("--quick", action="store_true", help="half a second per point")
     agent_bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -274,7 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
                        ("prefill-tokens-per-s", float), ("decode-tokens-per-s", float), ("layers", int),
                        ("bytes-per-token-layer", int)):  # fmt: skip
         emulate.add_argument(f"--{name}", type=kind, dest=name.replace("-", "_"))
-    emulate.add_argument("--scheduler", choices=["mas", "fcfs"])
+    emulate.add_argument(
+        "--scheduler",
+        choices=SCHEDULER_POLICIES,
+        help="flatcake mode: how requests are ordered (default: the node agent's scheduler.policy, else mas)",
+    )
     emulate.set_defaults(func=_emulate)
 
     agent = sub.add_parser("agent", help="the node agent").add_subparsers(dest="agent", required=True)

@@ -15,7 +15,8 @@ class FioMissing(RuntimeError):
 
 
 class SequentialReadLimit:
-    """Sequential ``O_DIRECT`` read, 1 MiB blocks, ``jobs`` jobs: the bandwidth a restore can hope for.
+    """Sequential ``O_DIRECT`` read, ``block_bytes`` blocks (1 MiB unless a benchmark matches its
+    system's read size), ``jobs`` jobs: the bandwidth a restore can hope for.
 
     Shared virtual disks drift by 2x within a minute, and read recently written data faster than older
     data (a write-back cache below the guest). So the limit is measured in ``chunks`` that a benchmark
@@ -24,11 +25,13 @@ class SequentialReadLimit:
     is read once, as the systems under test do.
     """
 
-    def __init__(self, directory: str | Path, jobs: int, size_bytes: int, chunks: int = 1) -> None:
+    def __init__(
+        self, directory: str | Path, jobs: int, size_bytes: int, chunks: int = 1, block_bytes: int = 1 << 20
+    ) -> None:
         fio = shutil.which("fio")
         if fio is None:
             raise FioMissing("fio is not installed: run `apt-get install fio` (bin/flatcake does it when root)")
-        self.jobs, self.chunks = jobs, chunks
+        self.jobs, self.chunks, self.block_bytes = jobs, chunks, block_bytes
         self.size_mib = max(1, (size_bytes // (jobs * chunks)) >> 20)  # per job and chunk
         self.work = Path(tempfile.mkdtemp(prefix="fio-", dir=directory))
         self._fio = fio
@@ -41,7 +44,7 @@ class SequentialReadLimit:
         where.mkdir(exist_ok=True)
         args = [
             self._fio, f"--name=limit{chunk}", f"--directory={where}", f"--size={self.size_mib}m", "--rw=read",
-            "--bs=1m", "--direct=1", "--ioengine=psync", f"--numjobs={self.jobs}", "--group_reporting",
+            f"--bs={self.block_bytes}", "--direct=1", "--ioengine=psync", f"--numjobs={self.jobs}", "--group_reporting",
             "--output-format=json", *extra,
         ]  # fmt: skip
         try:
@@ -67,7 +70,7 @@ class SequentialReadLimit:
     def result(self) -> dict[str, Any]:
         return {
             "tool": "fio", "read_bytes_per_s": self._bytes / self._seconds if self._seconds else 0.0,
-            "jobs": self.jobs, "block_bytes": 1 << 20, "size_bytes": self._bytes, "chunks": len(self._iops),
+            "jobs": self.jobs, "block_bytes": self.block_bytes, "size_bytes": self._bytes, "chunks": len(self._iops),
         }  # fmt: skip
 
     def close(self) -> None:

@@ -7,12 +7,22 @@ from pathlib import Path
 from flatcake.loadgen.systems.base import RestoreCounters, System, SystemSpec
 from flatcake.loadgen.systems.flatcake import FlatCakeSystem
 from flatcake.loadgen.systems.per_block import PerBlockSystem
-from flatcake.loadgen.systems.tiered import TieredSystem
+from flatcake.loadgen.systems.tiered import TieredNaiveSystem, TieredSystem
 
 SYSTEMS: dict[str, Callable[[Path, SystemSpec], System]] = {
     "flatcake": FlatCakeSystem,
     "tiered": TieredSystem,
+    "tiered_naive": TieredNaiveSystem,
     "per_block": PerBlockSystem,
 }
 
-__all__ = ["SYSTEMS", "FlatCakeSystem", "PerBlockSystem", "RestoreCounters", "System", "SystemSpec", "TieredSystem"]
+__all__ = [
+    "SYSTEMS",
+    "FlatCakeSystem",
+    "PerBlockSystem",
+    "RestoreCounters",
+    "System",
+    "SystemSpec",
+    "TieredNaiveSystem",
+    "TieredSystem",
+]

@@ -9,7 +9,7 @@ system caches) and resets the counters those restores are judged by.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -21,6 +21,15 @@ MiB = 1 << 20
 Array = npt.NDArray[np.uint8]
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """One restore as its caller sees it: when the whole request was in place, and when its first
+    layer was (usable for compute to start); equal for systems that return whole requests."""
+
+    seconds: float
+    first_layer_seconds: float
+
+
 @dataclass
 class RestoreCounters:
     read_commands: int = 0
@@ -28,6 +37,10 @@ class RestoreCounters:
     bytes_requested: int = 0
     staging_peak_bytes: int = 0
     missing: int = 0
+    dram_pages: int = 0  # pages restored from the system's DRAM tier
+    # Systems whose restore() does more than the storage work (a conversion the benchmark needs for
+    # checking) record the storage part here; the benchmark times the whole call otherwise.
+    requests: list[RequestTiming] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -43,7 +56,10 @@ class SystemSpec:
     gap_bytes: int = 64 * 1024
     staging_layers: int = 2
     staging_slot_bytes: int = 8 * MiB
-    dram_fraction: float = 0.25  # the tiered cache's DRAM, as a share of all pages stored
+    dram_fraction: float = 0.25  # a DRAM tier's size, as a share of all pages stored
+    # prepare() empties DRAM tiers too (every restore from SSD), or keeps them (the DRAM budget at work)
+    flush_dram: bool = True
+    mla: bool = True  # one latent per token (a flat byte page per layer), or MHA K/V heads (SGLang's layouts)
 
     @property
     def page_span(self) -> int:
@@ -62,3 +78,9 @@ class System(Protocol):
     def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int: ...
     def counters(self) -> RestoreCounters: ...
     def close(self) -> None: ...
+
+
+def pids(system: object) -> list[int]:
+    """Processes besides this one that do a system's work (a server, a master), if it has any."""
+    method = getattr(system, "pids", None)
+    return list(method()) if callable(method) else []

@@ -4,10 +4,12 @@ session scope, sized so that nothing is reclaimed during a benchmark."""
 from __future__ import annotations
 
 import math
+import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from flatcake.loadgen.systems.base import Array, MiB, RestoreCounters, SystemSpec
+from flatcake.loadgen.systems.base import Array, MiB, RequestTiming, RestoreCounters, SystemSpec
 from flatcake.node_agent import DramConfig, Engine, EngineConfig, Hints, IOConfig, Key, SsdConfig, round_up
 
 
@@ -20,7 +22,12 @@ class FlatCakeSystem:
                 layers=spec.layers,
                 page_bytes=spec.page_bytes,
                 page_tokens=spec.page_tokens,
-                dram=DramConfig(bytes=0, huge_pages=False, name=f"flatcake-bench-{directory.name}"),
+                # DRAM is the spec's share of all pages; what lands there is placement's decision.
+                dram=DramConfig(
+                    bytes=int(spec.dram_fraction * spec.total_pages) * spec.page_span,
+                    huge_pages=False,
+                    name=f"flatcake-bench-{directory.name}-{os.getpid()}",
+                ),
                 # One file per session scope, large enough for its whole history; room under the high
                 # watermark (0.9) for every session, so nothing is reclaimed during the benchmark.
                 ssd=SsdConfig(
@@ -40,6 +47,7 @@ class FlatCakeSystem:
         )
         self._base = self.engine.stats.snapshot()
         self._peak = 0
+        self._timings: list[RequestTiming] = []
 
     def put(self, keys: Sequence[Key], kv: Array, hints: Hints) -> None:
         self.engine.put(keys, kv, hints)
@@ -47,13 +55,19 @@ class FlatCakeSystem:
     def prepare(self) -> None:
         self._base = self.engine.stats.snapshot()
         self._peak = 0
+        self._timings = []
 
     def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int:
+        started = time.perf_counter()
+        first = None
         with self.engine.get(keys, dest, dest_pages) as restore:
             for _layer in restore:  # a consumer would run layer l here while l+1 is read
-                pass
+                first = time.perf_counter() - started if first is None else first
             self._peak = max(self._peak, restore.staging_peak_bytes)
-            return len(restore.missing)
+            missing = len(restore.missing)
+        took = time.perf_counter() - started
+        self._timings.append(RequestTiming(took, took if first is None else first))
+        return missing
 
     def counters(self) -> RestoreCounters:
         now, base = self.engine.stats.snapshot(), self._base
@@ -64,6 +78,8 @@ class FlatCakeSystem:
             d.get("requested_bytes", 0),
             self._peak,
             d.get("pages_missing", 0),
+            d.get("restore_pages_dram", 0),
+            list(self._timings),
         )
 
     def segments(self) -> int:

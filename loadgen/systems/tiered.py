@@ -1,20 +1,25 @@
 """The tiered baseline: a DRAM LRU (L2) whose evictions append to an SSD log (L3) in eviction order;
-SSD space is reclaimed in fixed-size buckets, oldest first (Mooncake-style). A restore reads
-page-layer by page-layer into a host staging buffer sized to the whole request (``O(context)``), then
-copies out. For measurement only, with real I/O through the same O_DIRECT primitives FlatCake uses.
+SSD space is reclaimed in fixed-size buckets, oldest first (Mooncake-style). A restore stages the
+whole request in host memory (``O(context)``), then copies out. For measurement only, with real I/O
+through the same O_DIRECT primitives FlatCake uses.
+
+Two readers: ``whole_page`` (the honest baseline: one command per page, all its layers, as SGLang's
+``page_first`` layouts and Mooncake's per-page objects read) and ``page_layer`` (one command per
+page-layer: the fragmented access the paper measures, kept as ``tiered_naive``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 
 from flatcake.loadgen.systems.base import Array, MiB, RestoreCounters, SystemSpec
 from flatcake.node_agent import Hints, Key, PosixDirectIO, aligned_empty, create_pool
+
+READERS = ("whole_page", "page_layer")
 
 
 class TieredStore:
@@ -28,7 +33,11 @@ class TieredStore:
         bucket_bytes: int,
         buckets: int,
         workers: int = 2,
+        reader: str = "whole_page",
     ) -> None:
+        if reader not in READERS:
+            raise ValueError(f"reader: {reader!r} must be one of {', '.join(READERS)}")
+        self.reader = reader
         self.layers, self.page_bytes = layers, page_bytes
         self.page_span = layers * page_bytes  # a page is logged page-major: its layers back to back
         if bucket_bytes % self.page_span:
@@ -100,36 +109,42 @@ class TieredStore:
         return out
 
     def restore(self, keys: Sequence[Key], dest: Array) -> int:
-        """Restore into ``dest[layer, i]``; returns pages missing. Reads one page-layer per command."""
+        """Restore into ``dest[layer, i]``; returns pages missing."""
         n, pb = len(keys), self.page_bytes
-        staging = aligned_empty((self.layers, n, pb))  # the whole prefix is staged in host memory
         c = self.counters
+        missing = {i for i, k in enumerate(keys) if k not in self.l2 and k not in self.l3}
+        if self.reader == "whole_page":
+            # Page-major staging, as the log stores pages: one read per page brings all its layers.
+            staging = aligned_empty((n, self.layers, pb))
+            reads = [(i, self.l3[k], staging[i]) for i, k in enumerate(keys) if k not in self.l2 and k in self.l3]
+            for i, k in enumerate(keys):
+                if k in self.l2:
+                    staging[i] = self.l2[k]
+        else:
+            staging = aligned_empty((self.layers, n, pb))
+            reads = []
+            for layer in range(self.layers):
+                for i, k in enumerate(keys):
+                    if k in self.l2:
+                        staging[layer, i] = self.l2[k][layer]
+                    elif k in self.l3:
+                        bucket, offset = self.l3[k]
+                        reads.append((i, (bucket, offset + layer * pb), staging[layer, i]))
         c.staging_peak_bytes = max(c.staging_peak_bytes, staging.nbytes)
-        pending: list[tuple[int, Future[int]]] = []
-        rr = 0
-        for layer in range(self.layers):
-            for i, key in enumerate(keys):
-                if key in self.l2:
-                    staging[layer, i] = self.l2[key][layer]
-                    continue
-                where = self.l3.get(key)
-                if where is None:
-                    continue
-                bucket, offset = where
-                pending.append((i, self.io.submit_read(rr, bucket, offset + layer * pb, staging[layer, i])))
-                rr += 1
-        missing = set(i for i, k in enumerate(keys) if k not in self.l2 and k not in self.l3)
-        for i, fut in pending:
+        pending = [(i, buf.nbytes, self.io.submit_read(rr, bucket, offset, buf))
+                   for rr, (i, (bucket, offset), buf) in enumerate(reads)]  # fmt: skip
+        for i, want, fut in pending:
             try:
                 got = fut.result()
             except OSError:
                 got = -1
             c.read_commands += 1
             c.bytes_read += max(got, 0)
-            if got != pb:
+            if got != want:
                 missing.add(i)
         c.bytes_requested += n * self.layers * pb
-        dest[:, :n] = staging
+        c.dram_pages += sum(1 for k in keys if k in self.l2)
+        dest[:, :n] = staging.transpose(1, 0, 2) if self.reader == "whole_page" else staging
         c.missing += len(missing)
         return len(missing)
 
@@ -138,9 +153,13 @@ class TieredStore:
 
 
 class TieredSystem:
+    """The tiered design read as its users read it: whole pages."""
+
     name = "tiered"
+    reader = "whole_page"
 
     def __init__(self, directory: Path, spec: SystemSpec) -> None:
+        self.flush_dram = spec.flush_dram
         pages = spec.total_pages
         bucket = 64 * MiB
         self.store = TieredStore(
@@ -151,13 +170,15 @@ class TieredSystem:
             bucket_bytes=bucket,
             buckets=-(-pages * spec.page_span // bucket) + 2,
             workers=spec.workers,
+            reader=self.reader,
         )
 
     def put(self, keys: Sequence[Key], kv: Array, hints: Hints) -> None:
         self.store.put(keys, kv)
 
     def prepare(self) -> None:
-        self.store.flush()
+        if self.flush_dram:
+            self.store.flush()
         self.store.counters = RestoreCounters()
 
     def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int:
@@ -168,3 +189,10 @@ class TieredSystem:
 
     def close(self) -> None:
         self.store.close()
+
+
+class TieredNaiveSystem(TieredSystem):
+    """The same tiered design with one read command per page-layer (the paper's fragmented baseline)."""
+
+    name = "tiered_naive"
+    reader = "page_layer"

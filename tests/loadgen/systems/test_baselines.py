@@ -1,14 +1,17 @@
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from flatcake.loadgen.systems.per_block import PerBlockStore
 from flatcake.loadgen.systems.tiered import TieredStore
 from tests.support.engines import pages
 
 
-def test_tiered_evicts_in_lru_order_and_restores_page_layer_by_page_layer(tmp_path: Path) -> None:
-    store = TieredStore(tmp_path, layers=3, page_bytes=4096, dram_pages=2, bucket_bytes=4 * 3 * 4096, buckets=4)
+@pytest.mark.parametrize(("reader", "commands"), [("whole_page", 4), ("page_layer", 4 * 3)])
+def test_tiered_evicts_in_lru_order_and_restores_with_its_reader(tmp_path: Path, reader: str, commands: int) -> None:
+    store = TieredStore(tmp_path, layers=3, page_bytes=4096, dram_pages=2, bucket_bytes=4 * 3 * 4096, buckets=4,
+                        reader=reader)  # fmt: skip
     try:
         kv = pages(3, 6, 4096)
         keys = [f"k{i}" for i in range(6)]
@@ -16,7 +19,8 @@ def test_tiered_evicts_in_lru_order_and_restores_page_layer_by_page_layer(tmp_pa
         assert list(store.l2) == ["k4", "k5"] and set(store.l3) == {"k0", "k1", "k2", "k3"}
         dest = np.zeros((3, 6, 4096), np.uint8)
         assert store.restore(keys, dest) == 0 and np.array_equal(dest, kv)
-        assert store.counters.read_commands == 4 * 3  # only SSD pages, one command per page-layer
+        assert store.counters.read_commands == commands  # SSD pages only: one per page, or per page-layer
+        assert store.counters.bytes_read == store.counters.bytes_requested * 4 // 6
         assert store.counters.staging_peak_bytes == kv.nbytes  # the whole request is staged
         store.flush()
         assert not store.l2 and store.exists(keys) == 6

@@ -1,0 +1,474 @@
+"""``flatcake bench peers``: FlatCake against the systems users would pick instead, on the same work.
+
+Every system stores the same sessions (turns of appended pages recovered from a trace, at a real
+model's page geometry), in the trace's order, then restores each session's whole history cold;
+every restored page is checked against a checksum of what was written. Each system runs in a process
+of its own (``worker``), so its peak RSS, its device reads and a crash are its own; the device limit
+(fio, ``O_DIRECT``, FlatCake's read size and queue depth) is measured between systems, ABAB.
+
+Systems (``PEERS``): ``flatcake`` (FlatCake's SGLang backend built by SGLang's factory, over a node
+agent process), ``flatcake_engine`` (the engine directly: layers stream as they land),
+``hicache_file`` (SGLang's file backend), ``mooncake`` (Mooncake Store: master process, DRAM segment,
+SSD offload), ``tiered`` (DRAM LRU evicting to an SSD log, whole-page reads), ``tiered_naive`` (the
+same, one read per page-layer). A system that cannot be built or started is reported as not run,
+with the reason; the others still run.
+
+What "durable" means: bytes are on the device when the call returns, or after one ``sync`` at the
+end of the write phase; ``durable_write_bytes_per_s`` counts that final ``sync`` for every system.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from flatcake.loadgen.bench.fio import SequentialReadLimit
+from flatcake.loadgen.models import DEFAULT, ModelPreset, custom, preset
+from flatcake.loadgen.systems.base import RestoreCounters, System, SystemSpec, pids
+from flatcake.loadgen.traces.formats import read_trace
+from flatcake.loadgen.traces.sessions import Session, pick, sessions
+from flatcake.node_agent import ConfigError, Hints, aligned_empty, round_up
+
+MiB = 1 << 20
+MOONCAKE_TRACE = Path(__file__).parent.parent / "traces" / "data" / "mooncake_conversation_head2000.jsonl"
+PEERS = ("flatcake", "flatcake_engine", "hicache_file", "mooncake", "tiered", "tiered_naive")
+METRICS = (
+    "restore_bytes_per_s", "time_to_first_layer_s", "restore_p50_s", "restore_p99_s", "durable_write_bytes_per_s",
+    "ack_write_bytes_per_s", "dram_hit_fraction", "peak_rss_bytes", "peak_staging_bytes", "read_amplification",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PeersConfig:
+    model: str = DEFAULT
+    layers: int | None = None  # with page_layer_bytes and page_tokens: a geometry given by hand
+    page_layer_bytes: int | None = None
+    page_tokens: int | None = None
+    trace: str = str(MOONCAKE_TRACE)
+    sessions: int = 12
+    turns: int = 4
+    pages_per_turn: int | None = None  # default: as many as fit budget_bytes
+    budget_bytes: int = 1600 * MiB  # the most a system stores (sessions x turns x pages x page bytes)
+    repeats: int = 3
+    systems: tuple[str, ...] = PEERS
+    dram_fraction: float = 0.25
+    workers: int = 2
+
+    def geometry(self) -> ModelPreset:
+        given = (self.layers, self.page_layer_bytes, self.page_tokens)
+        if any(v is not None for v in given):
+            if not all(v is not None for v in given):
+                raise ConfigError("--layers, --page-layer-bytes, --page-tokens: give all three, or a --model preset")
+            return custom(*given)  # type: ignore[arg-type]
+        return preset(self.model)
+
+    def per_turn(self, model: ModelPreset) -> int:
+        if self.pages_per_turn is not None:
+            return self.pages_per_turn
+        return max(1, self.budget_bytes // (self.sessions * self.turns * model.page_bytes))
+
+
+QUICK = PeersConfig(sessions=4, turns=3, budget_bytes=200 * MiB, repeats=1,
+                    systems=("flatcake", "flatcake_engine", "hicache_file", "tiered", "tiered_naive"))  # fmt: skip
+
+
+@dataclass
+class Workload:
+    model: ModelPreset
+    sessions: list[Session]
+    order: list[tuple[int, int]] = field(default_factory=list)  # (session index, turn) in trace order
+
+    @property
+    def raw_page_bytes(self) -> int:
+        """The KV payload of one page of all layers (what throughput counts; padding is not counted)."""
+        return self.model.layers * self.model.raw_page_layer_bytes
+
+    def spec(self, cfg: PeersConfig) -> SystemSpec:
+        longest = max(len(s.pages) for s in self.sessions)
+        return SystemSpec(
+            layers=self.model.layers, page_bytes=self.model.page_layer_bytes, page_tokens=self.model.page_tokens,
+            sessions=len(self.sessions), session_bytes=longest * self.model.page_bytes, workers=cfg.workers,
+            dram_fraction=cfg.dram_fraction, flush_dram=False, mla=self.model.mla,
+        )  # fmt: skip
+
+    def unique_pages(self) -> int:
+        return len({k for s in self.sessions for k in s.pages})
+
+
+def workload(cfg: PeersConfig) -> Workload:
+    model = cfg.geometry()
+    found = sessions(read_trace(cfg.trace), model.page_tokens)
+    chosen = pick(found, cfg.sessions, cfg.turns, cfg.per_turn(model))
+    if not chosen:
+        raise ConfigError(f"trace: {cfg.trace} holds no session")
+    # Turn t of every session before turn t+1 of any, as arrivals interleave in serving.
+    order = [(i, t) for t in range(cfg.turns) for i, s in enumerate(chosen) if t < len(s.turns)]
+    return Workload(model, chosen, order)
+
+
+def page_bytes_for(key: str, layers: int, raw: int, page_bytes: int) -> np.ndarray:
+    """A page's bytes, a pure function of its key (zero padding past ``raw`` in each layer)."""
+    out = np.zeros((layers, page_bytes), np.uint8)
+    rng = np.random.default_rng(zlib.crc32(key.encode()))
+    out[:, :raw] = np.frombuffer(rng.bytes(layers * raw), np.uint8).reshape(layers, raw)
+    return out
+
+
+def _crc(page: np.ndarray) -> int:
+    crc = 0
+    for layer in page:
+        crc = zlib.crc32(np.ascontiguousarray(layer).data, crc)
+    return crc
+
+
+# ---- the worker: one system, in its own process ------------------------------------------------------
+def make_system(name: str, directory: Path, spec: SystemSpec, session_pages: int) -> System:
+    if name == "flatcake":
+        from flatcake.loadgen.systems.sglang import FlatCakeSGLangSystem
+
+        return FlatCakeSGLangSystem(directory, spec, session_pages)
+    if name == "hicache_file":
+        from flatcake.loadgen.systems.sglang import HiCacheFileSystem
+
+        return HiCacheFileSystem(directory, spec, session_pages)
+    if name == "mooncake":
+        mooncake = importlib.import_module("flatcake.loadgen.systems.mooncake")
+        system: System = mooncake.MooncakeSystem(directory, spec)
+        return system
+    from flatcake.loadgen.systems import SYSTEMS
+
+    key = "flatcake" if name == "flatcake_engine" else name
+    if key not in SYSTEMS or name == "flatcake" or key == "per_block":
+        raise ConfigError(f"systems: {name!r} is not one of {', '.join(PEERS)}")
+    return SYSTEMS[key](directory, spec)
+
+
+def _proc(pid: int | str, field_name: str, table: str = "status") -> int:
+    """A number from /proc/PID/status (kB, returned in bytes) or /proc/PID/io (bytes); 0 if gone."""
+    try:
+        for line in Path(f"/proc/{pid}/{table}").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                value = int(line.split()[1])
+                return value * 1024 if table == "status" else value
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _device_reads(processes: Sequence[int | str]) -> int:
+    return sum(_proc(p, "read_bytes", "io") for p in processes)
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only), so restores read the device; False when not allowed."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_system(
+    name: str, directory: Path, w: Workload, cfg: PeersConfig, *, corrupt: str | None = None
+) -> dict[str, Any]:
+    """Write, sync, drop caches, restore, check: one system's measurements (in this process)."""
+    m, spec = w.model, w.spec(cfg)
+    raw, span = m.raw_page_layer_bytes, m.page_layer_bytes
+    base_rss = _proc("self", "VmRSS")
+    longest = max(len(s.pages) for s in w.sessions)
+    system = make_system(name, directory, spec, longest)
+    try:
+        crcs: dict[str, int] = {}
+        put_seconds = 0.0
+        put_bytes = 0
+        for i, t in w.order:
+            session = w.sessions[i]
+            keys = session.turns[t]
+            kv = aligned_empty((m.layers, len(keys), span))
+            for j, key in enumerate(keys):
+                kv[:, j] = page_bytes_for(key, m.layers, raw, span)
+                crcs[key] = _crc(kv[:, j, :raw])
+            before = [k for turn in session.turns[:t] for k in turn]
+            context = (len(before) + len(keys)) * m.page_tokens
+            hints = Hints(turn=t + 1, context_tokens=context, parent_key=before[-1] if before else None)
+            started = time.perf_counter()
+            system.put(keys, kv, hints)
+            put_seconds += time.perf_counter() - started
+            put_bytes += len(keys) * m.layers * raw
+        started = time.perf_counter()
+        os.sync()  # what is not on the device yet gets there now
+        sync_seconds = time.perf_counter() - started
+        system.prepare()
+        dropped = drop_caches()
+        processes: list[int | str] = ["self", *pids(system)]
+        reads_before = _device_reads(processes)
+        dest = aligned_empty((m.layers, longest, span))
+        walls: list[float] = []
+        verified = corrupt_pages = missing = 0
+        for session in w.sessions:
+            keys = session.pages
+            dest[:, : len(keys)] = 0
+            started = time.perf_counter()
+            missing += system.restore(keys, dest)
+            walls.append(time.perf_counter() - started)
+            if corrupt is not None and corrupt in keys:  # the check must catch a wrong byte (tests)
+                dest[0, keys.index(corrupt), 0] ^= 0xFF
+            for j, key in enumerate(keys):
+                if _crc(dest[:, j, :raw]) == crcs[key]:
+                    verified += 1
+                else:
+                    corrupt_pages += 1
+        device_reads = _device_reads(processes) - reads_before
+        c: RestoreCounters = system.counters()
+        timings = c.requests if len(c.requests) == len(walls) else []
+        seconds = [t.seconds for t in timings] or walls
+        first = [t.first_layer_seconds for t in timings] or walls
+        restored = sum(len(s.pages) for s in w.sessions)
+        requested = restored * m.layers * raw
+        rss = _proc("self", "VmHWM") + sum(_proc(p, "VmHWM") for p in pids(system))
+        return {
+            "ran": True, "why_not": None,
+            "restore_bytes_per_s": requested / sum(seconds), "restore_seconds": sum(seconds),
+            "time_to_first_layer_s": statistics.median(first), "restore_p50_s": _percentile(seconds, 0.5),
+            "restore_p99_s": _percentile(seconds, 0.99),
+            "ack_write_bytes_per_s": put_bytes / put_seconds,
+            "durable_write_bytes_per_s": put_bytes / (put_seconds + sync_seconds),
+            "dram_hit_fraction": c.dram_pages / restored, "peak_rss_bytes": rss, "worker_base_rss_bytes": base_rss,
+            "peak_staging_bytes": c.staging_peak_bytes, "read_amplification": device_reads / requested,
+            "device_read_bytes": device_reads, "read_commands": c.read_commands, "verified_pages": verified,
+            "corrupt_pages": corrupt_pages, "missing_pages": missing, "restored_pages": restored,
+            "written_bytes": put_bytes, "dropped_caches": dropped,
+        }  # fmt: skip
+    finally:
+        system.close()
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def worker_main() -> int:
+    """``python -m flatcake.loadgen.bench.peers``: run one system from a JSON job on stdin, print JSON."""
+    job = json.loads(sys.stdin.read())
+    fields: dict[str, Any] = dict(job["config"])
+    fields["systems"] = tuple(fields["systems"])
+    cfg = PeersConfig(**fields)
+    directory = Path(job["directory"])
+    try:
+        result = run_system(job["system"], directory, workload(cfg), cfg, corrupt=job.get("corrupt"))
+    except Exception as exc:  # a process boundary: the orchestrator reports it and goes on
+        result = {"ran": False, "why_not": f"{exc.__class__.__name__}: {exc}"}
+    print(json.dumps(result))
+    return 0
+
+
+# ---- the orchestrator ----------------------------------------------------------------------------------
+def run_worker(name: str, directory: Path, cfg: PeersConfig, corrupt: str | None = None,
+               timeout: float = 3600) -> dict[str, Any]:  # fmt: skip
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    job = {"system": name, "directory": str(directory), "config": dataclasses.asdict(cfg), "corrupt": corrupt}
+    proc = subprocess.run([sys.executable, "-m", "flatcake.loadgen.bench.peers"], input=json.dumps(job),
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    shutil.rmtree(directory, ignore_errors=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()[-3:]
+        return {"ran": False, "why_not": f"worker exited {proc.returncode}: {' | '.join(tail)}"}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def run(
+    cfg: PeersConfig, directory: Path, *, quiet: bool = False, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    w = workload(cfg)
+    m = w.model
+    directory.mkdir(parents=True, exist_ok=True)
+    pages = sum(len(s.pages) for s in w.sessions)
+    log(
+        f"workload: {len(w.sessions)} sessions, {pages} pages restored ({w.unique_pages()} stored) of {m.layers} x "
+        f"{m.page_layer_bytes} B ({m.name}), {pages * m.page_bytes / MiB:.0f} MiB per system, in {directory}"
+    )
+    # fio reads as FlatCake does: one turn's pages of one layer per command, `workers` at a time.
+    block = round_up(cfg.per_turn(m) * m.page_layer_bytes)
+    fio = SequentialReadLimit(directory, cfg.workers, pages * m.page_bytes, cfg.repeats * len(cfg.systems), block)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.systems}
+    chunk = 0
+    try:
+        with tqdm(total=cfg.repeats * len(cfg.systems), desc="bench peers", unit="run", file=sys.stderr,
+                  disable=quiet) as bar:  # fmt: skip
+            for _ in range(cfg.repeats):
+                for name in cfg.systems:  # ABAB: the limit is measured between every two systems
+                    fio.prepare(chunk)
+                    fio.measure(chunk)
+                    chunk += 1
+                    bar.set_postfix_str(name)
+                    runs[name].append(run_worker(name, directory / name, cfg))
+                    bar.update()
+                    if not runs[name][-1]["ran"]:
+                        log(f"{name}: not run: {runs[name][-1]['why_not']}")
+        limit = fio.result()
+    finally:
+        fio.close()
+    systems = {name: summarize(results) for name, results in runs.items()}
+    return {
+        "workload": {
+            "model": m.name, "layers": m.layers, "page_tokens": m.page_tokens,
+            "page_layer_bytes": m.page_layer_bytes, "raw_page_layer_bytes": m.raw_page_layer_bytes,
+            "sessions": len(w.sessions), "turns": [len(s.turns) for s in w.sessions], "restored_pages": pages,
+            "stored_pages": w.unique_pages(), "restored_bytes": pages * w.raw_page_bytes,
+            "dram_budget_bytes": int(cfg.dram_fraction * w.spec(cfg).total_pages) * m.page_bytes,
+            "dropped_caches": any(r.get("dropped_caches") for rs in runs.values() for r in rs),
+            "trace": cfg.trace, "repeats": cfg.repeats, "source": m.source,
+        },
+        "limit": limit,
+        "systems": systems,
+        "ratios": ratios(systems),
+    }  # fmt: skip
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over repeats, with ``<field>_min``/``_max``; counts summed; not run if any run failed."""
+    failed = [r for r in results if not r["ran"]]
+    if failed or not results:
+        return {"ran": False, "why_not": failed[0]["why_not"] if failed else "no run"}
+    out: dict[str, Any] = {"ran": True, "why_not": None, "repeats": len(results)}
+    for key in METRICS:
+        values = [float(r[key]) for r in results]
+        out[key], out[f"{key}_min"], out[f"{key}_max"] = statistics.median(values), min(values), max(values)
+    for key in ("verified_pages", "corrupt_pages", "missing_pages", "read_commands", "device_read_bytes"):
+        out[key] = sum(int(r[key]) for r in results)
+    return out
+
+
+def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """FlatCake over each peer, from the medians of this run: restore and write rates (higher is better
+    for FlatCake above 1), time to first layer (the peer's time over FlatCake's)."""
+    fc = systems.get("flatcake", {})
+    out: dict[str, float] = {}
+    if not fc.get("ran"):
+        return out
+    for name, s in systems.items():
+        if name == "flatcake" or not s.get("ran"):
+            continue
+        out[f"flatcake_vs_{name}_restore"] = fc["restore_bytes_per_s"] / s["restore_bytes_per_s"]
+        out[f"flatcake_vs_{name}_ttfl"] = s["time_to_first_layer_s"] / fc["time_to_first_layer_s"]
+        out[f"flatcake_vs_{name}_write"] = fc["durable_write_bytes_per_s"] / s["durable_write_bytes_per_s"]
+    return out
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lim = report["limit"]["read_bytes_per_s"]
+    head = (
+        f"{'system':<16} {'restore GB/s':>12} {'x limit':>7} {'1st layer ms':>12} {'p99 ms':>8} {'write GB/s':>10} "
+        f"{'DRAM hits':>9} {'RSS MiB':>8} {'staging MiB':>11} {'read amp':>8} {'corrupt':>7}"
+    )
+    lines = [head, f"{'fio limit':<16} {lim / 1e9:>12.3f} {1.0:>7.2f}"]
+    for name, s in report["systems"].items():
+        if not s["ran"]:
+            lines.append(f"{name:<16} not run: {s['why_not']}")
+            continue
+        lines.append(
+            f"{name:<16} {s['restore_bytes_per_s'] / 1e9:>12.3f} {s['restore_bytes_per_s'] / lim:>7.2f} "
+            f"{s['time_to_first_layer_s'] * 1e3:>12.1f} {s['restore_p99_s'] * 1e3:>8.1f} "
+            f"{s['durable_write_bytes_per_s'] / 1e9:>10.3f} {s['dram_hit_fraction']:>9.2f} "
+            f"{s['peak_rss_bytes'] / MiB:>8.0f} {s['peak_staging_bytes'] / MiB:>11.1f} "
+            f"{s['read_amplification']:>8.2f} {s['corrupt_pages']:>7}"
+        )
+    lines.append("")
+    lines.extend(f"{k:<36} {v:.3f}" for k, v in report["ratios"].items())
+    return "\n".join(lines)
+
+
+def markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
+    """The report's section: what ran on what, the table, where FlatCake wins and where it does not."""
+    w = report["workload"]
+    lines = [
+        "## FlatCake against its peers (`flatcake bench peers`)", "",
+        f"Model `{w['model']}`: {w['layers']} layers x {w['page_layer_bytes']} B page-layers "
+        f"({w['raw_page_layer_bytes']} B of KV), {w['page_tokens']}-token pages. {w['sessions']} sessions from "
+        f"`{Path(w['trace']).name}`, {w['restored_pages']} pages restored per repeat, {w['repeats']} repeat(s); "
+        f"DRAM tiers get {w['dram_budget_bytes'] / MiB:.0f} MiB; page cache "
+        f"{'dropped' if w['dropped_caches'] else 'NOT dropped (not root): restores may be served by it'}.",
+        "", "```", format_table(report), "```", "",
+    ]  # fmt: skip
+    wins = [k for k, v in report["ratios"].items() if v > 1.05]
+    losses = [k for k, v in report["ratios"].items() if v < 0.95]
+    if wins:
+        lines.append("FlatCake ahead (ratio > 1.05): " + ", ".join(f"`{k}` {report['ratios'][k]:.2f}" for k in wins))
+    if losses:
+        lines.append("FlatCake behind (ratio < 0.95): " + ", ".join(f"`{k}` {report['ratios'][k]:.2f}" for k in losses))
+    not_run = {n: s["why_not"] for n, s in report["systems"].items() if not s["ran"]}
+    lines += [f"- `{n}` not run: {why}" for n, why in not_run.items()]
+    lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in plots], ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
+    """Bars (median, min/max whiskers) of restore rate, first-layer time and write rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = {n: s for n, s in report["systems"].items() if s["ran"]}
+    if not ran:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for key, label, scale in (("restore_bytes_per_s", "restore GB/s", 1e-9),
+                              ("time_to_first_layer_s", "time to first layer (ms)", 1e3),
+                              ("durable_write_bytes_per_s", "durable write GB/s", 1e-9)):  # fmt: skip
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        names = list(ran)
+        med = [ran[n][key] * scale for n in names]
+        lo = [med[i] - ran[n][f"{key}_min"] * scale for i, n in enumerate(names)]
+        hi = [ran[n][f"{key}_max"] * scale - med[i] for i, n in enumerate(names)]
+        ax.bar(names, med, yerr=[lo, hi], capsize=4, color="#4c72b0")
+        if key == "restore_bytes_per_s":
+            ax.axhline(report["limit"]["read_bytes_per_s"] * scale, color="#c44e52", linestyle="--", label="fio limit")
+            ax.legend()
+        ax.set_ylabel(label)
+        ax.set_title(f"{label}, {report['workload']['model']}")
+        fig.autofmt_xdate()
+        path = out_dir / f"peers_{key}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(str(path))
+    # One request's timeline per system (medians): when its first layer is usable, when all of it is.
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(ran) + 1.2))
+    for row, s in enumerate(ran.values()):
+        ax.barh(row, s["restore_p50_s"] * 1e3, color="#b3c6e6")
+        ax.plot([s["time_to_first_layer_s"] * 1e3], [row], marker="|", markersize=18, color="#c44e52")
+    ax.set_yticks(range(len(ran)), list(ran))
+    ax.set_xlabel("ms from the restore call (bar: whole request, P50; red tick: first usable layer)")
+    ax.set_title(f"restore timeline, {report['workload']['model']}")
+    fig.tight_layout()
+    path = out_dir / "peers_timeline.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(str(path))
+    return paths
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

@@ -1,0 +1,290 @@
+"""Systems driven the way SGLang drives a HiCache storage backend: FlatCake's backend (``flatcake``)
+and SGLang's own file backend (``hicache_file``), each built by SGLang's ``StorageBackendFactory``.
+
+SGLang's host KV pools cannot be built on a machine without a GPU (they import transformers and a
+device pool), so ``HostPool`` reproduces their page layouts as SGLang 0.5.23 defines them
+(``mem_cache/pool_host``: ``kv_buffer`` shapes, ``get_data_page``, ``set_from_flat_data_page``,
+``get_dummy_flat_data_page``). The page moves are SGLang's: ``managers/cache_controller.py``
+``_page_set_zero_copy``/``_page_get_zero_copy`` (``batch_set_v1``/``batch_get_v1`` into host-pool
+slots, used for ``dynamic`` backends with ``interface_v1``) and ``_generic_page_set``/
+``_generic_page_get`` (flat data pages through ``batch_set``/``batch_get``, used for ``file``), in
+batches of ``STORAGE_BATCH_SIZE`` pages.
+
+A restore's timed part is the storage call and the copy into the host pool (SGLang's work); turning
+host pages back into the benchmark's ``[layers][pages][page_bytes]`` layout for checking is not timed.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flatcake.loadgen.systems.base import Array, RequestTiming, RestoreCounters, SystemSpec
+from flatcake.node_agent import (
+    AgentConfig,
+    ConfigError,
+    DramConfig,
+    EngineConfig,
+    Hints,
+    IOConfig,
+    Key,
+    SsdConfig,
+    round_up,
+    spawn,
+)
+
+BATCH = 128  # sglang.srt.mem_cache.hicache_storage.STORAGE_BATCH_SIZE in 0.5.23
+MHA_HEADS, MHA_HEAD_DIM = 2, 128  # an MHA page-layer of 2 (K, V) x heads x dim x 2 bytes per token
+
+
+def _import_sglang() -> tuple[Any, Any]:
+    try:
+        import torch
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    except ImportError as exc:
+        raise ConfigError(
+            f"sglang: not importable ({exc}); the SGLang systems need the sglang extra: "
+            "FLATCAKE_EXTRAS=sglang bin/flatcake ... (bin/test installs it)"
+        ) from None
+    return torch, StorageBackendFactory
+
+
+class HostPool:
+    """SGLang's host pool, ``page_first`` layout: MLA ``(tokens, layers, 1, dim)`` bytes, or MHA
+    ``(2, tokens, layers, heads, head_dim)`` bf16. Pages start at multiples of ``page_size``."""
+
+    layout = "page_first"
+
+    def __init__(self, spec: SystemSpec, pages: int, mla: bool) -> None:
+        torch, _ = _import_sglang()
+        self.torch = torch
+        self.page_size, self.layer_num, self.mla = spec.page_tokens, spec.layers, mla
+        size = pages * spec.page_tokens
+        if mla:
+            self.dim = max(1, spec.page_bytes // spec.page_tokens)  # bytes per token-layer
+            self.dtype = torch.uint8
+            self.kv_buffer = torch.zeros((size, spec.layers, 1, self.dim), dtype=self.dtype)
+        else:
+            self.dtype = torch.bfloat16
+            self.kv_buffer = torch.zeros((2, size, spec.layers, MHA_HEADS, MHA_HEAD_DIM), dtype=self.dtype)
+        sample = self.get_data_page(0, flat=False)
+        self.raw_bytes = sample.numel() * sample.element_size() // spec.layers  # one page-layer, unpadded
+        if round_up(self.raw_bytes) != spec.page_bytes:
+            raise ConfigError(
+                f"page_bytes: {spec.page_bytes} is not this host pool's page-layer ({self.raw_bytes} B, padded "
+                f"{round_up(self.raw_bytes)}); use a model preset or --page-layer-bytes that matches"
+            )
+
+    def _slice(self, index: int) -> tuple[slice, ...]:
+        tokens = slice(index, index + self.page_size)
+        return (tokens,) if self.mla else (slice(None), tokens)
+
+    def get_data_page(self, index: int, flat: bool = True) -> Any:
+        page = self.kv_buffer[self._slice(index)]
+        return page.flatten() if flat else page
+
+    def set_from_flat_data_page(self, index: int, data_page: Any) -> None:
+        target = self.kv_buffer[self._slice(index)]
+        target.copy_(data_page.reshape(target.shape))
+
+    def get_dummy_flat_data_page(self) -> Any:
+        return self.torch.zeros(self.get_data_page(0).numel(), dtype=self.dtype)
+
+    # ---- the benchmark's layer-major pages <-> host pages (not SGLang's work; untimed) ---------------
+    def _layer_axis_view(self, slot: int) -> Any:
+        """Page ``slot`` as ``[layers][raw bytes]`` (a copy)."""
+        page = self.get_data_page(slot * self.page_size, flat=False)
+        axis = 1 if self.mla else 2
+        moved = page.movedim(axis, 0).contiguous()
+        return moved.view(self.torch.uint8).reshape(self.layer_num, -1)
+
+    def write(self, slot: int, layers: Array) -> None:
+        """Host page ``slot`` from a ``[layers][page_bytes]`` page (its first ``raw_bytes`` per layer)."""
+        page = self.get_data_page(slot * self.page_size, flat=False)
+        axis = 1 if self.mla else 2
+        shape = list(page.shape)
+        shape.insert(0, shape.pop(axis))
+        raw = self.torch.from_numpy(np.ascontiguousarray(layers[:, : self.raw_bytes]))
+        page.copy_(raw.view(self.dtype).reshape(shape).movedim(0, axis))
+
+    def read(self, slot: int, dest: Array, column: int) -> None:
+        dest[:, column, : self.raw_bytes] = self._layer_axis_view(slot).numpy()
+
+
+class _SGLangSystem:
+    """What both SGLang-driven systems share: the host pool, the storage config, batching, checking."""
+
+    name = ""
+
+    def __init__(self, directory: Path, spec: SystemSpec, session_pages: int) -> None:
+        self.torch, self.factory = _import_sglang()
+        self.spec, self.directory, self.mla = spec, directory, spec.mla
+        self.pool = HostPool(spec, max(session_pages, BATCH), spec.mla)
+        self._counters = RestoreCounters()
+
+    def storage_config(self, extra: dict[str, Any]) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+        return HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=self.mla,
+            enable_storage_metrics=False, is_page_first_layout=True, model_name="bench/model", extra_config=extra,
+        )  # fmt: skip
+
+    def _indices(self, slots: range) -> Any:
+        return self.torch.arange(slots.start * self.spec.page_tokens, slots.stop * self.spec.page_tokens)
+
+    def put(self, keys: Sequence[Key], kv: Array, hints: Hints) -> None:
+        for j in range(len(keys)):  # the pages are in SGLang's host pool before it backs them up
+            self.pool.write(j, kv[:, j])
+        for lo in range(0, len(keys), BATCH):
+            batch = [str(k) for k in keys[lo : lo + BATCH]]
+            if not self.set_pages(batch, range(lo, lo + len(batch)), hints):
+                raise RuntimeError(f"{self.name}: storing {len(batch)} pages failed")
+
+    def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int:
+        started = time.perf_counter()
+        got = 0
+        for lo in range(0, len(keys), BATCH):
+            batch = [str(k) for k in keys[lo : lo + BATCH]]
+            hit = self.get_pages(batch, range(lo, lo + len(batch)))
+            got += hit
+            if hit < len(batch):
+                break  # a prefix cache stops at the first miss
+        took = time.perf_counter() - started  # whole requests: the first layer arrives with the last
+        self._counters.requests.append(RequestTiming(took, took))
+        for j in range(got):
+            self.pool.read(j, dest, j if dest_pages is None else dest_pages[j])
+        self._counters.bytes_requested += len(keys) * self.spec.page_span
+        self._counters.missing += len(keys) - got
+        return len(keys) - got
+
+    def set_pages(self, keys: list[str], slots: range, hints: Hints) -> bool:
+        raise NotImplementedError
+
+    def get_pages(self, keys: list[str], slots: range) -> int:
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        self._counters = RestoreCounters()
+
+    def counters(self) -> RestoreCounters:
+        return self._counters
+
+
+class FlatCakeSGLangSystem(_SGLangSystem):
+    """FlatCake as SGLang would run it: a node agent process, FlatCake's backend built by SGLang's
+    factory (``dynamic``, ``interface_v1``, prefix keys passed), pages moved zero-copy into host slots."""
+
+    name = "flatcake"
+
+    def __init__(self, directory: Path, spec: SystemSpec, session_pages: int) -> None:
+        super().__init__(directory, spec, session_pages)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = EngineConfig(
+            layers=spec.layers, page_bytes=spec.page_bytes, page_tokens=spec.page_tokens,
+            dram=DramConfig(bytes=int(spec.dram_fraction * spec.total_pages) * spec.page_span, huge_pages=False,
+                            shm_dir=str(directory), name="bench-dram"),
+            ssd=SsdConfig(dir=str(directory / "pool"), file_bytes=round_up(spec.session_bytes, 1 << 20),
+                          file_count=math.ceil(spec.sessions / 0.85) + 1),
+            io=IOConfig(backend="posix", workers=spec.workers, gap_bytes=spec.gap_bytes,
+                        staging_layers=spec.staging_layers, staging_slot_bytes=spec.staging_slot_bytes),
+            agent=AgentConfig(socket=str(directory / "agent.sock"), metrics_host="127.0.0.1", metrics_port=0),
+        )  # fmt: skip
+        self.agent = spawn(config, directory)
+        try:
+            extra = {"backend_name": "flatcake", "module_path": "flatcake.node_agent.sglang",
+                     "class_name": "FlatCakeStorage", "socket": config.agent.socket, "interface_v1": True,
+                     "hicache_storage_pass_prefix_keys": True}  # fmt: skip
+            self.backend = self.factory.create_backend("dynamic", self.storage_config(extra), self.pool)
+            self.backend.register_mem_pool_host(self.pool)
+        except BaseException:
+            self.agent.kill()
+            raise
+        self._prefix: dict[str, list[str]] = {}  # the keys before each stored page: SGLang's prefix_keys
+        self._base: dict[str, int] = {}
+
+    def put(self, keys: Sequence[Key], kv: Array, hints: Hints) -> None:
+        self._hints = hints
+        super().put(keys, kv, hints)
+
+    def set_pages(self, keys: list[str], slots: range, hints: Hints) -> bool:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+        parent = str(hints.parent_key) if hints.parent_key is not None else None
+        prefix = [*self._prefix.get(parent, []), parent] if parent is not None else []
+        info = HiCacheStorageExtraInfo(prefix_keys=prefix, extra_info={"turn": hints.turn})
+        ok = all(self.backend.batch_set_v1(keys, self._indices(slots), info))
+        for i, key in enumerate(keys):
+            self._prefix[key] = prefix + keys[:i]
+        return ok
+
+    def get_pages(self, keys: list[str], slots: range) -> int:
+        ok = self.backend.batch_get_v1(keys, self._indices(slots))
+        return next((i for i, hit in enumerate(ok) if not hit), len(ok))
+
+    def prepare(self) -> None:
+        super().prepare()
+        self._base = self.backend.engine.stats.snapshot()
+
+    def counters(self) -> RestoreCounters:
+        now = self.backend.engine.stats.snapshot()
+        c = self._counters
+        delta = {k: now.get(k, 0) - self._base.get(k, 0) for k in now}
+        c.read_commands, c.bytes_read = delta.get("read_commands", 0), delta.get("read_bytes", 0)
+        c.staging_peak_bytes = now.get("staging_peak_bytes", 0)
+        c.dram_pages = delta.get("restore_pages_dram", 0)
+        return c
+
+    def pids(self) -> list[int]:
+        return [self.agent.pid]
+
+    def close(self) -> None:
+        self.backend.engine.close()
+        self.agent.terminate()
+        self.agent.wait(30)
+
+
+class HiCacheFileSystem(_SGLangSystem):
+    """SGLang's ``HiCacheFile`` (``--hicache-storage-backend file``): one file per page under a
+    directory, written with buffered I/O and renamed into place; flat data pages through
+    ``batch_set``/``batch_get``, as SGLang's cache controller moves them for this backend."""
+
+    name = "hicache_file"
+
+    def __init__(self, directory: Path, spec: SystemSpec, session_pages: int) -> None:
+        super().__init__(directory, spec, session_pages)
+        directory.mkdir(parents=True, exist_ok=True)
+        extra = {"file_storage_path": str(directory)}
+        self.backend = self.factory.create_backend("file", self.storage_config(extra), self.pool)
+        self.backend.register_mem_pool_host(self.pool)
+
+    def set_pages(self, keys: list[str], slots: range, hints: Hints) -> bool:
+        data = [self.pool.get_data_page(s * self.spec.page_tokens) for s in slots]
+        return bool(self.backend.batch_set(keys, data))
+
+    def get_pages(self, keys: list[str], slots: range) -> int:
+        dummy = [self.pool.get_dummy_flat_data_page() for _ in keys]
+        pages = self.backend.batch_get(keys, dummy)
+        count = 0
+        for key_slot, page in zip(slots, pages or [], strict=False):
+            if page is None:
+                break
+            self.pool.set_from_flat_data_page(key_slot * self.spec.page_tokens, page)
+            count += 1
+        self._counters.read_commands += count  # one open + read per page file
+        self._counters.bytes_read += count * self.pool.raw_bytes * self.spec.layers
+        return count
+
+    def counters(self) -> RestoreCounters:
+        # The dummy page and the flat page read into it are the staging SGLang holds per page in flight.
+        self._counters.staging_peak_bytes = BATCH * self.pool.raw_bytes * self.spec.layers
+        return self._counters
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)

@@ -1,0 +1,79 @@
+"""``bench peers``: the same work for every system, every page checked, peers that fail reported."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from flatcake.cli import main
+from flatcake.loadgen.bench import peers as bp
+
+pytestmark = pytest.mark.integration
+
+TINY = bp.PeersConfig(layers=4, page_layer_bytes=8192, page_tokens=256, sessions=3, turns=2, pages_per_turn=4,
+                      repeats=1, systems=("flatcake_engine", "tiered"))  # fmt: skip
+
+
+def test_sessions_come_from_the_trace_in_its_order() -> None:
+    w = bp.workload(TINY)
+    assert len(w.sessions) == 3 and all(1 <= len(s.turns) <= 2 for s in w.sessions)
+    assert all(len(t) <= 4 for s in w.sessions for t in s.turns)
+    turns = [t for _, t in w.order]
+    assert turns == sorted(turns)  # turn t of every session before turn t+1 of any
+    assert w.model.raw_page_layer_bytes == 8192 and w.raw_page_bytes == 4 * 8192
+
+
+@pytest.mark.parametrize("system", ["flatcake_engine", "flatcake", "hicache_file", "tiered", "tiered_naive"])
+def test_every_page_is_checked_and_a_corrupted_one_is_caught(tmp_path: Path, system: str) -> None:
+    w = bp.workload(TINY)
+    victim = w.sessions[0].pages[-1]
+    result = bp.run_system(system, tmp_path / system, w, TINY, corrupt=victim)
+    restored = sum(len(s.pages) for s in w.sessions)
+    assert result["ran"] and result["restored_pages"] == restored and result["missing_pages"] == 0
+    assert result["corrupt_pages"] == 1 and result["verified_pages"] == restored - 1
+    assert result["restore_bytes_per_s"] > 0 and result["durable_write_bytes_per_s"] > 0
+    assert 0 < result["time_to_first_layer_s"] <= result["restore_p99_s"]
+    assert result["peak_rss_bytes"] > 0
+
+
+def test_a_system_that_cannot_start_is_reported_and_the_others_run(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(TINY, systems=("flatcake_engine", "no_such_system", "tiered"))
+    report = bp.run(cfg, tmp_path, quiet=True, log=lambda _: None)
+    broken = report["systems"]["no_such_system"]
+    assert broken["ran"] is False and "no_such_system" in broken["why_not"]
+    assert report["systems"]["flatcake_engine"]["ran"] and report["systems"]["tiered"]["ran"]
+    assert "not run" in bp.format_table(report)
+
+
+def test_quick_runs_the_ci_systems_and_ratios_come_from_the_same_medians(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["bench", "peers", "--quick", "--quiet", "--dir", str(tmp_path / "scratch"), "--out", str(out)]) == 0
+    report = json.loads((out / "peers.json").read_text())
+    systems = report["systems"]
+    assert {"flatcake", "hicache_file", "tiered", "tiered_naive"} <= set(systems)
+    for name, s in systems.items():
+        assert s["ran"], (name, s["why_not"])
+        assert s["corrupt_pages"] == 0 and s["verified_pages"] > 0
+        for key in bp.METRICS:
+            assert s[f"{key}_min"] <= s[key] <= s[f"{key}_max"]
+    fc = systems["flatcake"]
+    for name, s in systems.items():
+        if name == "flatcake":
+            continue
+        ratios = report["ratios"]
+        assert ratios[f"flatcake_vs_{name}_restore"] == pytest.approx(
+            fc["restore_bytes_per_s"] / s["restore_bytes_per_s"]
+        )
+        assert ratios[f"flatcake_vs_{name}_ttfl"] == pytest.approx(
+            s["time_to_first_layer_s"] / fc["time_to_first_layer_s"]
+        )
+    assert report["limit"]["read_bytes_per_s"] > 0 and report["limit"]["block_bytes"] % 4096 == 0
+    assert report["workload"]["model"] == "dsv4-flash" and report["workload"]["page_layer_bytes"] == 48 * 1024
+    assert "## FlatCake against its peers" in (out / "peers.md").read_text()
+    assert sorted(p.name for p in out.glob("*.png")) == [
+        "peers_durable_write_bytes_per_s.png", "peers_restore_bytes_per_s.png", "peers_time_to_first_layer_s.png",
+        "peers_timeline.png",
+    ]  # fmt: skip
