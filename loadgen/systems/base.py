@@ -84,3 +84,35 @@ def pids(system: object) -> list[int]:
     """Processes besides this one that do a system's work (a server, a master), if it has any."""
     method = getattr(system, "pids", None)
     return list(method()) if callable(method) else []
+
+
+class Store(Protocol):
+    """A baseline's own store: pages in, pages out, its counters."""
+
+    counters: RestoreCounters
+
+    def put(self, keys: Sequence[Key], kv: Array) -> None: ...
+    def restore(self, keys: Sequence[Key], dest: Array) -> int: ...
+    def close(self) -> None: ...
+
+
+class StoreSystem:
+    """A ``System`` over a ``Store`` that takes no hints (the baselines place by their own policy)."""
+
+    name = ""
+    store: Store
+
+    def put(self, keys: Sequence[Key], kv: Array, hints: Hints) -> None:
+        self.store.put(keys, kv)
+
+    def prepare(self) -> None:
+        self.store.counters = RestoreCounters()
+
+    def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int:
+        return self.store.restore(keys, dest)
+
+    def counters(self) -> RestoreCounters:
+        return self.store.counters
+
+    def close(self) -> None:
+        self.store.close()

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from flatcake.loadgen.systems.base import Array, RestoreCounters, SystemSpec
-from flatcake.node_agent import Hints, Key, aligned_empty, open_direct
+from flatcake.loadgen.systems.base import Array, RestoreCounters, StoreSystem, SystemSpec
+from flatcake.node_agent import Key, aligned_empty, open_direct
 
 
 class PerBlockStore:
@@ -83,23 +83,8 @@ class PerBlockStore:
         self._pool.shutdown(wait=True)
 
 
-class PerBlockSystem:
+class PerBlockSystem(StoreSystem):
     name = "per_block"
 
     def __init__(self, directory: Path, spec: SystemSpec) -> None:
         self.store = PerBlockStore(directory, layers=spec.layers, page_bytes=spec.page_bytes, workers=spec.workers)
-
-    def put(self, keys: Sequence[Key], kv: Array, hints: Hints) -> None:
-        self.store.put(keys, kv)
-
-    def prepare(self) -> None:
-        self.store.counters = RestoreCounters()
-
-    def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int:
-        return self.store.restore(keys, dest)
-
-    def counters(self) -> RestoreCounters:
-        return self.store.counters
-
-    def close(self) -> None:
-        self.store.close()

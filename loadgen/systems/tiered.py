@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flatcake.loadgen.systems.base import Array, MiB, RestoreCounters, SystemSpec
-from flatcake.node_agent import Hints, Key, PosixDirectIO, aligned_empty, create_pool
+from flatcake.loadgen.systems.base import Array, MiB, RestoreCounters, StoreSystem, SystemSpec
+from flatcake.node_agent import Key, PosixDirectIO, aligned_empty, create_pool
 
 READERS = ("whole_page", "page_layer")
 
@@ -152,11 +152,12 @@ class TieredStore:
         self.io.close()
 
 
-class TieredSystem:
+class TieredSystem(StoreSystem):
     """The tiered design read as its users read it: whole pages."""
 
     name = "tiered"
     reader = "whole_page"
+    store: TieredStore
 
     def __init__(self, directory: Path, spec: SystemSpec) -> None:
         self.flush_dram = spec.flush_dram
@@ -173,22 +174,10 @@ class TieredSystem:
             reader=self.reader,
         )
 
-    def put(self, keys: Sequence[Key], kv: Array, hints: Hints) -> None:
-        self.store.put(keys, kv)
-
     def prepare(self) -> None:
         if self.flush_dram:
             self.store.flush()
-        self.store.counters = RestoreCounters()
-
-    def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int:
-        return self.store.restore(keys, dest)
-
-    def counters(self) -> RestoreCounters:
-        return self.store.counters
-
-    def close(self) -> None:
-        self.store.close()
+        super().prepare()
 
 
 class TieredNaiveSystem(TieredSystem):
