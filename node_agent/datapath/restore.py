@@ -164,7 +164,7 @@ class Restore(Iterator[int]):
 
             for layer in range(self._layers):
                 top_up()
-                while inflight and inflight[0][0].layer == layer:
+                while inflight and inflight[0][0].layer <= layer:  # every fill holding part of this layer
                     fill, slot, futures = inflight.popleft()
                     self._complete(fill, window.slots[slot], futures)  # type: ignore[union-attr]
                     free.append(slot)
@@ -202,20 +202,21 @@ class Restore(Iterator[int]):
         self._stats.add("requested_bytes", int(plen.sum()))
         self._stats.add("descriptors", p1 - p0)
         ok = start + plen <= got[owner]  # a piece not fully read is left for the caller to recompute
-        index = cmds.piece_index[p0:p1]
+        layer, page = np.divmod(cmds.piece_index[p0:p1], max(fill.pages, 1))
         if not ok.all():
-            lost = set(self._request_index[index[~ok]].tolist()) - self.missing
+            lost = set(self._request_index[page[~ok]].tolist()) - self.missing
             self.missing.update(lost)
             self._stats.add("pages_missing", len(lost))
-        src = (slot_at[owner] + start)[ok]
-        dst = self._dest_pages[index[ok]]
-        if len(src):
-            page = int(plen[0])
+        src_all, dst_all = slot_at[owner] + start, self._dest_pages[page]
+        for k in np.unique(layer[ok]).tolist():
+            mine = ok & (layer == k)
+            src, dst = src_all[mine], dst_all[mine]
+            size = int(plen[0])
             # Runs contiguous in both the slot and the destination become one copy each.
-            brk = np.flatnonzero((np.diff(src) != page) | (np.diff(dst) != 1)) + 1
+            brk = np.flatnonzero((np.diff(src) != size) | (np.diff(dst) != 1)) + 1
             first = np.concatenate(([0], brk))
             count = np.diff(np.append(first, len(src)))
-            self._scatter(fill.layer, buf, src[first], dst[first], count)
+            self._scatter(fill.layer + k, buf, src[first], dst[first], count)
 
 
 def numpy_scatter(dest: npt.NDArray[np.uint8], page_bytes: int) -> Scatter:

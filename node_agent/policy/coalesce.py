@@ -160,28 +160,51 @@ def pack(lengths: Ints, slot_bytes: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Fill:
-    """Commands ``lo:hi`` of one layer's plan: what fills one staging slot."""
+    """Commands ``lo:hi`` of one layer group's plan: what fills one staging slot.
+
+    The group is layers ``layer .. last_layer`` of the request's ``pages`` SSD pages; piece index
+    ``k * pages + i`` is page ``i`` of layer ``layer + k``."""
 
     layer: int
     commands: Commands
     lo: int
     hi: int
+    last_layer: int
+    pages: int
 
     @property
     def nbytes(self) -> int:
         return int(self.commands.length[self.lo : self.hi].sum())
 
 
+def layer_groups(layers: int, layer_bytes: int, slot_bytes: int) -> list[tuple[int, int]]:
+    """The layer ranges ``[first, end)`` planned together. Layer 0 alone, so the first layer lands as
+    soon as it can; then as many layers as one staging slot holds. A segment's layers lie back to back
+    on disk, so a small request (a few pages per segment) reads several layers of a segment in one
+    command instead of one command per segment-layer; a large one (a slot's worth per layer) still
+    goes one layer at a time."""
+    per_group = max(1, slot_bytes // max(layer_bytes, 1))
+    groups = [(0, 1)] if layers else []
+    first = 1
+    while first < layers:
+        groups.append((first, min(layers, first + per_group)))
+        first += per_group
+    return groups
+
+
 def plan_restore(
     file: Ints, base: Ints, stride: Ints, layers: int, page_bytes: int, gap: int, slot_bytes: int
 ) -> list[Fill]:
     """The whole restore in layer order. Page ``i`` of layer ``l`` is at ``base[i] + l * stride[i]`` of
-    ``file[i]``. Pages of one segment keep their order in every layer and segments never interleave,
-    so one sort serves all layers."""
-    order = sort_order(file, base)
-    length = np.full(len(file), page_bytes, dtype=np.int64)
+    ``file[i]``; fills come in the order of their first layer, so a reader that waits for every fill
+    starting at or before layer ``l`` has all of layer ``l``."""
+    n = len(file)
     fills: list[Fill] = []
-    for layer in range(layers):
-        cmds = coalesce(file, base + layer * stride, length, gap, slot_bytes, order)
-        fills.extend(Fill(layer, cmds, lo, hi) for lo, hi in pack(cmds.length, slot_bytes))
+    for first, end in layer_groups(layers, n * page_bytes, slot_bytes):
+        count = end - first
+        group_file = np.tile(file, count)
+        offset = np.concatenate([base + layer * stride for layer in range(first, end)]) if n else base
+        length = np.full(n * count, page_bytes, dtype=np.int64)
+        cmds = coalesce(group_file, offset, length, gap, slot_bytes)
+        fills.extend(Fill(first, cmds, lo, hi, end - 1, n) for lo, hi in pack(cmds.length, slot_bytes))
     return fills

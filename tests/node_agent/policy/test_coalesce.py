@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flatcake.node_agent.policy.coalesce import coalesce, pack, plan_restore
+from flatcake.node_agent.policy.coalesce import coalesce, layer_groups, pack, plan_restore
 
 PAGE = 4096
 Desc = tuple[int, int, int]  # file, offset, length
@@ -101,10 +101,27 @@ def test_plan_restore_is_in_layer_order_and_one_read_per_segment_layer() -> None
     seg2 = [3 * 4 * PAGE + j * PAGE for j in range(2)]
     base = np.array([*seg1, *seg2, 0])
     stride = np.array([4 * PAGE] * 4 + [2 * PAGE] * 2 + [PAGE])
-    fills = plan_restore(file, base, stride, 3, PAGE, 0, 1 << 20)
+    fills = plan_restore(file, base, stride, 3, PAGE, 0, 7 * PAGE)  # a slot holds one layer: one at a time
     assert [f.layer for f in fills] == [0, 1, 2]
     for f in fills:
         assert len(f.commands) == 3  # one command per segment-layer
         assert f.commands.requested() == 7 * PAGE
     fills = plan_restore(file, base, stride, 3, PAGE, 0, 4 * PAGE)
     assert [f.layer for f in fills] == [0, 0, 1, 1, 2, 2] and all(f.nbytes <= 4 * PAGE for f in fills)
+    # A slot of many layers: layer 0 alone, then layers 1 and 2 of each segment in one command each
+    # (a segment's layers are back to back), pieces numbered layer-major within the group.
+    fills = plan_restore(file, base, stride, 3, PAGE, 0, 1 << 20)
+    assert [(f.layer, f.last_layer) for f in fills] == [(0, 0), (1, 2)]
+    assert len(fills[0].commands) == 3 and len(fills[1].commands) == 3
+    assert fills[1].commands.requested() == 2 * 7 * PAGE
+    pieces = fills[1].commands.pieces(0)  # segment 1, layers 1 and 2: pages 0-3, then 0-3 again
+    assert [i for i, _, _ in pieces] == [0, 1, 2, 3, 7, 8, 9, 10]
+    assert [start for _, start, _ in pieces] == [j * PAGE for j in range(8)]
+
+
+def test_layer_groups_keep_the_first_layer_alone_and_fill_a_slot_after() -> None:
+    assert layer_groups(43, 100, 1000) == [(0, 1), *[(f, min(43, f + 10)) for f in range(1, 43, 10)]]
+    assert layer_groups(3, 1000, 1000) == [(0, 1), (1, 2), (2, 3)]  # a layer fills the slot: one at a time
+    assert layer_groups(1, 1, 1 << 20) == [(0, 1)] and layer_groups(0, 1, 1) == []
+    groups = layer_groups(80, 3 * 4096, 8 << 20)
+    assert [g for g in groups for _ in range(g[1] - g[0])] and sum(e - f for f, e in groups) == 80
