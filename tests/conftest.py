@@ -39,3 +39,17 @@ def agent_thread(tmp_path: Path) -> Iterator[Callable[..., AgentThread]]:
     yield start
     for a in made:
         a.stop()
+
+
+TIERS = ("unit", "integration", "system")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test has exactly one tier marker, so `-m unit` and friends select every test once."""
+    wrong = [
+        f"{item.nodeid}: {tiers or 'none'}"
+        for item in items
+        if len(tiers := [m.name for m in item.iter_markers() if m.name in TIERS]) != 1
+    ]
+    if wrong:
+        raise pytest.UsageError("tests need exactly one tier marker (unit, integration, system):\n" + "\n".join(wrong))

@@ -14,6 +14,8 @@ from flatcake import chart
 from tests.support.helm import KUBERNETES, helm, render
 from tests.support.kube_api import admit
 
+pytestmark = pytest.mark.system
+
 CHART = chart.CHART
 COMBINATIONS = {
     "defaults": [],

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from flatcake import dashboards as D
 from flatcake import metrics as M
 from tests.support import ROOT
+
+pytestmark = pytest.mark.unit
 
 
 def test_committed_dashboards_are_the_rendered_templates() -> None:

@@ -3,11 +3,11 @@ a node agent, an emulator that is its client, and the Locust replay's own metric
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -24,6 +24,9 @@ from flatcake.loadgen.replay.run import run as run_locust
 from flatcake.node_agent.service.client import AgentConnection
 from tests.support.agents import AgentThread
 from tests.support.emulators import Server
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.system
 
 RULES = D.ROOT / "prometheus-rules.yml"
 
@@ -63,14 +66,16 @@ def test_every_panel_query_returns_data(tmp_path: Path, agent_thread: Callable[.
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     base = f"http://127.0.0.1:{prom_port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
+
+        def ready() -> bool:
+            assert prom.poll() is None, "prometheus exited at start"
             try:
                 urllib.request.urlopen(base + "/-/ready", timeout=2)
-                break
+                return True
             except OSError:
-                assert prom.poll() is None and time.monotonic() < deadline, "prometheus did not start"
-                time.sleep(0.2)
+                return False
+
+        wait_until(ready, what="prometheus to start")
         conn = AgentConnection(agent.socket)
         with pytest.raises(ProtocolError):  # one refused request, so the error panel has a series
             conn.call("stats")
@@ -79,19 +84,30 @@ def test_every_panel_query_returns_data(tmp_path: Path, agent_thread: Callable[.
                                       system="flatcake", results=str(tmp_path / "r.jsonl"), limit=24,
                                       metrics_port=loadgen_port, margin_s=60))  # fmt: skip
         assert rc == 0
-        time.sleep(3)  # a few more scrapes and rule evaluations
-        assert len(query(base, "up == 1")["data"]["result"]) == 2  # agent and emulator; Locust has exited
-        empty = []
-        for name in D.NAMES:
-            for expr in D.expressions(D.render(name)):
-                concrete = expr.replace("$system", ".*").replace("$node", ".*")
-                answer = query(base, concrete)
-                assert answer["status"] == "success", (name, concrete, answer)
-                if not answer["data"]["result"]:
-                    empty.append((name, concrete))
+
+        def observed() -> tuple[int, list[tuple[str, str]], list[dict[str, str]]]:
+            """Targets up, dashboard queries without data, and the loaded rules, as Prometheus sees them."""
+            empty = []
+            for name in D.NAMES:
+                for expr in D.expressions(D.render(name)):
+                    concrete = expr.replace("$system", ".*").replace("$node", ".*")
+                    answer = query(base, concrete)
+                    assert answer["status"] == "success", (name, concrete, answer)
+                    if not answer["data"]["result"]:
+                        empty.append((name, concrete))
+            rules = json.loads(urllib.request.urlopen(base + "/api/v1/rules", timeout=10).read())["data"]["groups"]
+            loaded = [r for g in rules for r in g["rules"]]
+            return len(query(base, "up == 1")["data"]["result"]), empty, loaded
+
+        def settled() -> bool:  # scrapes after the replay and a rule evaluation: every panel has data
+            up, empty, loaded = observed()
+            return up == 2 and not empty and len(loaded) == 6 and all(r["health"] == "ok" for r in loaded)
+
+        with contextlib.suppress(AssertionError):  # on timeout, the asserts below say what is missing
+            wait_until(settled, what="scrapes and rule evaluations after the replay", poll=1.0)
+        up, empty, loaded = observed()
+        assert up == 2  # agent and emulator; Locust has exited
         assert not empty, empty
-        rules = json.loads(urllib.request.urlopen(base + "/api/v1/rules", timeout=10).read())["data"]["groups"]
-        loaded = [r for g in rules for r in g["rules"]]
         assert len(loaded) == 6 and all(r["health"] == "ok" for r in loaded), loaded
         hit = query(base, "flatcake:delivered_hit_rate:rate5m")["data"]["result"]
         assert hit and 0 < float(hit[0]["value"][1]) <= 1

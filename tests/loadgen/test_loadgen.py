@@ -21,6 +21,8 @@ from flatcake.loadgen.report import build as R
 from flatcake.loadgen.traces.formats import TraceRequest, read_trace
 from tests.support.emulators import Server
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(params=["flatcake", "tiered"])
 def emulator(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:

@@ -5,6 +5,8 @@ import pytest
 
 from flatcake.node_agent.config import EngineConfig
 
+pytestmark = pytest.mark.unit
+
 
 def test_round_trip_through_json(tmp_path: Path) -> None:
     cfg = EngineConfig.from_dict(

@@ -30,7 +30,7 @@ from tests.support.kube_api import ApiServer, declare_resources
 
 NS = "kv"
 CACHE = "main"
-pytestmark = [pytest.mark.asyncio, pytest.mark.kmock(cls=ApiServer)]
+pytestmark = [pytest.mark.system, pytest.mark.asyncio, pytest.mark.kmock(cls=ApiServer)]
 _server: dict[str, str] = {}
 
 
@@ -457,6 +457,13 @@ async def _gone(cluster: Cluster) -> bool:
     return await cluster.get(K.CACHES, CACHE) is None
 
 
+async def _reclaim_progress(cluster: Cluster, erased: str) -> bool:
+    """The finalizer's last retry, as kopf records it on the object: "reclaim: <ready>/<desired> ..."."""
+    obj = await cluster.get(K.CACHES, CACHE) or {}
+    notes = (obj.get("metadata", {}).get("annotations") or {}).values()
+    return any(f"reclaim: {erased} nodes erased" in str(v) for v in notes)
+
+
 async def test_delete_with_delete_policy_erases_every_node_first(cluster: Cluster) -> None:
     async with running_operator(cluster.api):
         await cluster.create(K.CACHES, cache_body(reclaimPolicy="Delete"))
@@ -468,13 +475,14 @@ async def test_delete_with_delete_policy_erases_every_node_first(cluster: Cluste
         reclaim = await cluster.wait(lambda: cluster.get(K.DAEMON_SETS, f"{CACHE}-reclaim"), "the reclaim DaemonSet")
         command = " ".join(reclaim["spec"]["template"]["spec"]["containers"][0]["command"])
         assert "flatcake agent reclaim" in command
-        await asyncio.sleep(1.0)
+        # The operator has looked and decided to wait (its retry says so), and the cache is still held.
+        await cluster.wait(lambda: _reclaim_progress(cluster, "0/?"), "the finalizer to wait for the nodes")
         assert await cluster.get(K.CACHES, CACHE) is not None  # held by the finalizer while nodes erase
         # The DaemonSet controller's part (emulated): one node done, then both.
         await cluster.patch(
             K.DAEMON_SETS, f"{CACHE}-reclaim", {"status": {"desiredNumberScheduled": 2, "numberReady": 1}}
         )
-        await asyncio.sleep(1.0)
+        await cluster.wait(lambda: _reclaim_progress(cluster, "1/2"), "the finalizer to see one node done")
         assert await cluster.get(K.CACHES, CACHE) is not None
         await cluster.patch(
             K.DAEMON_SETS, f"{CACHE}-reclaim", {"status": {"desiredNumberScheduled": 2, "numberReady": 2}}
@@ -533,7 +541,13 @@ async def test_a_real_agent_process_takes_its_node_id_and_reports(
     )
     name = f"{CACHE}-node-a"
     try:
-        await asyncio.sleep(1.0)
+        waiting = "waiting for the operator to assign a NodeID"
+
+        async def logged() -> bool:
+            assert proc.poll() is None, (tmp_path / "agent.log").read_text()
+            return waiting in (tmp_path / "agent.log").read_text()
+
+        await cluster.wait(logged, "the agent to wait for its NodeID", timeout=60)
         assert await cluster.get(K.FLATCAKE_NODES, name) is None  # no NodeID yet: not serving
         (ids / "node-a").write_text("7")
 

@@ -30,6 +30,7 @@ def spec(**over: Any) -> dict[str, Any]:
     return admitted
 
 
+@pytest.mark.unit
 def test_crd_defaults_render_a_config_the_agent_accepts() -> None:
     for ssd in ({"devices": ["/dev/nvme0n1", "/dev/nvme1n1"]}, {"directory": "/data/kv"}):
         for huge in ("2Mi", "1Gi", "none"):
@@ -42,6 +43,7 @@ def test_crd_defaults_render_a_config_the_agent_accepts() -> None:
             assert config.ssd.extent_policy == ("refuse" if "devices" in ssd else "warn")
 
 
+@pytest.mark.unit
 def test_spec_errors_name_the_field() -> None:
     cases = {
         "spec.ssd": spec(ssd={"devices": ["/dev/a"], "directory": "/x"}),
@@ -60,6 +62,7 @@ def test_spec_errors_name_the_field() -> None:
         parse_quantity("12GB", "spec.dram.size")
 
 
+@pytest.mark.unit
 def test_what_the_engine_config_refuses_names_the_spec_field() -> None:
     """The engine configuration's rules are checked once, by EngineConfig on the rendered config; its
     refusal comes back naming the spec field the user wrote, with the rule to satisfy."""
@@ -78,6 +81,7 @@ def test_what_the_engine_config_refuses_names_the_spec_field() -> None:
     assert unmapped.field == "ssd.extent_policy"  # derived by the operator: the engine path is all there is
 
 
+@pytest.mark.unit
 def test_spec_fields_table_maps_engine_fields_to_crd_fields() -> None:
     from tests.support.kube_api import crd_schema
 
@@ -96,6 +100,7 @@ def test_spec_fields_table_maps_engine_fields_to_crd_fields() -> None:
         assert spec_path.startswith("spec.") and has(spec_schema, spec_path.split(".")[1:]), spec_path
 
 
+@pytest.mark.unit
 def test_node_fit_checks_hugepages_and_filesystem() -> None:
     parsed = parse_spec(spec(dram={"size": "2Gi"}))
     with pytest.raises(SpecError, match="spec.dram.size.*node-a.*hugepages-2Mi"):
@@ -115,6 +120,7 @@ def test_node_fit_checks_hugepages_and_filesystem() -> None:
     st.lists(st.sampled_from([f"n{i}" for i in range(40)]), unique=True, max_size=40),
     st.lists(st.sampled_from([f"n{i}" for i in range(40)]), unique=True, max_size=40),
 )
+@pytest.mark.unit
 def test_node_ids_are_stable_unique_and_never_reused_while_data_remains(
     first: list[str], second: list[str], holding: list[str]
 ) -> None:
@@ -130,6 +136,7 @@ def test_node_ids_are_stable_unique_and_never_reused_while_data_remains(
     assert set(second) <= ids2.keys()
 
 
+@pytest.mark.unit
 def test_node_ids_run_out_with_a_clear_error() -> None:
     full = {f"n{i}": i for i in range(4096)}
     with pytest.raises(SpecError, match="no NodeID left for node new"):
@@ -139,6 +146,7 @@ def test_node_ids_run_out_with_a_clear_error() -> None:
         nodeids.parse({"a": "x"})
 
 
+@pytest.mark.unit
 def test_destructive_changes() -> None:
     base = render.engine_config(parse_spec(spec()), CACHE)
 
@@ -157,6 +165,7 @@ def test_destructive_changes() -> None:
     assert with_(kv={"layers": 80}) == ["spec.kv"]
 
 
+@pytest.mark.unit
 def test_status_conditions_and_transitions() -> None:
     def report(node: str, ready: bool, error: str = "") -> NodeReport:
         return NodeReport(node, 0, ready, 1 << 30, 0, 64 << 30, 0, error)
@@ -198,6 +207,7 @@ def test_status_conditions_and_transitions() -> None:
     assert invalid["observedGeneration"] == 2
 
 
+@pytest.mark.unit
 def test_agent_runs_with_no_privilege_but_ipc_lock() -> None:
     parsed = parse_spec(spec(dram={"size": "1Gi", "hugepageSize": "none"}))
     ds = render.daemon_set(parsed, CACHE, render.engine_config(parsed, CACHE))
@@ -210,6 +220,7 @@ def test_agent_runs_with_no_privilege_but_ipc_lock() -> None:
     assert any(m.get("mountPropagation") == "Bidirectional" for m in pod["initContainers"][0]["volumeMounts"])
 
 
+@pytest.mark.unit
 def test_rendered_objects_validate_against_kubernetes_schemas() -> None:
     import kubernetes_validate
 
@@ -237,6 +248,7 @@ def test_rendered_objects_validate_against_kubernetes_schemas() -> None:
         assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
 
 
+@pytest.mark.integration
 def test_operator_without_credentials_is_one_clear_error(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env |= {"KUBECONFIG": str(tmp_path / "missing"), "HOME": str(tmp_path)}
@@ -249,6 +261,7 @@ def test_operator_without_credentials_is_one_clear_error(tmp_path: Path) -> None
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.unit
 def test_ready_label_is_a_valid_label_key_for_any_cache_name() -> None:
     import re
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 from flatcake.node_agent import EngineConfig
 from flatcake.node_agent.service.server import Agent
+from tests.support.waiting import wait_until
 
 
 class AgentThread:
@@ -21,10 +21,7 @@ class AgentThread:
         self._stop = asyncio.Event()
         self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self.agent.serve(self._stop),))
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self.agent.ready:
-            assert time.monotonic() < deadline, "agent did not become ready"
-            time.sleep(0.01)
+        wait_until(lambda: self.agent.ready, what="the agent to become ready")
 
     @property
     def socket(self) -> str:

@@ -4,6 +4,8 @@ import pytest
 
 from flatcake.loadgen.bench import agent as ba
 
+pytestmark = pytest.mark.integration
+
 
 def test_agent_benchmark_measures_every_point_side_by_side() -> None:
     cfg = ba.AgentBenchConfig(batches=(16, 256), clients=(1, 2), seconds=0.2)

@@ -11,6 +11,8 @@ import pytest
 from flatcake.cli import main
 from flatcake.loadgen.bench import restore as br
 
+pytestmark = pytest.mark.integration
+
 TINY = br.Workload(sessions=3, turns=3, pages_per_turn=8, layers=4, page_bytes=8192)
 
 

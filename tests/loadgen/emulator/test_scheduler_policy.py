@@ -13,6 +13,8 @@ from flatcake.loadgen.emulator.server import Emulator, EmulatorConfig, scheduler
 from flatcake.node_agent import SchedulerConfig
 from tests.support.agents import AgentThread
 
+pytestmark = pytest.mark.integration
+
 
 def _policy(tmp_path: Path, socket: str | None, scheduler: str | None = None) -> str:
     cfg = EmulatorConfig(mode="flatcake", data_dir=str(tmp_path / "emulator"), agent_socket=socket,

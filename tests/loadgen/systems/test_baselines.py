@@ -7,6 +7,8 @@ from flatcake.loadgen.systems.per_block import PerBlockStore
 from flatcake.loadgen.systems.tiered import TieredStore
 from tests.support.engines import pages
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize(("reader", "commands"), [("whole_page", 4), ("page_layer", 4 * 3)])
 def test_tiered_evicts_in_lru_order_and_restores_with_its_reader(tmp_path: Path, reader: str, commands: int) -> None:

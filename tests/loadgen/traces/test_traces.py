@@ -13,6 +13,8 @@ from flatcake.loadgen.traces.formats import TraceError, TraceRequest, read_lines
 from flatcake.loadgen.traces.synth import SynthConfig, synthesize
 from tests.support import ROOT
 
+pytestmark = pytest.mark.unit
+
 MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 GOOD = '{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]}'
 

@@ -13,6 +13,8 @@ from flatcake.node_agent.service.client import connect
 from tests.support.agents import AgentThread
 from tests.support.engines import pages
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize("policy", ["always", "interval", "never"])
 def test_records_replay_in_order_under_every_policy(tmp_path: Path, policy: str) -> None:

@@ -17,6 +17,8 @@ from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Hints
 from tests.support.engines import FaultyIO, pages, small_config
 
+pytestmark = pytest.mark.integration
+
 Make = Callable[..., Engine]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -26,6 +27,7 @@ def names(steps: list[P.Step]) -> list[str]:
     return [s.name for s in steps]
 
 
+@pytest.mark.integration
 def test_directory_mode_creates_a_verified_pool_and_is_idempotent(tmp_path: Path) -> None:
     c = cfg(tmp_path)
     steps = P.plan(c, P.probe(c))
@@ -37,6 +39,7 @@ def test_directory_mode_creates_a_verified_pool_and_is_idempotent(tmp_path: Path
     assert PoolManifest.load(Path(c.ssd.dir)) == manifest
 
 
+@pytest.mark.unit
 def test_hugepages_are_reserved_only_when_short(tmp_path: Path) -> None:
     c = dataclasses.replace(cfg(tmp_path), prepare=PrepareConfig(hugepage_size="2Mi", hugepages=8))
     assert names(P.plan(c, P.NodeState(hugepages={"2Mi": 0}))) == ["hugepages", "pool"]
@@ -47,6 +50,7 @@ def test_hugepages_are_reserved_only_when_short(tmp_path: Path) -> None:
     assert P.wanted_hugepages(derived) == -(-c.dram.bytes // (2 << 20))
 
 
+@pytest.mark.unit
 def test_single_device_gets_xfs_and_a_mount(tmp_path: Path) -> None:
     c = cfg(tmp_path, devices=("/dev/nvme0n1",))
     fresh = P.NodeState(existing_devices=frozenset({"/dev/nvme0n1"}), filesystems={"/dev/nvme0n1": ""})
@@ -57,6 +61,7 @@ def test_single_device_gets_xfs_and_a_mount(tmp_path: Path) -> None:
     assert names(P.plan(c, ready)) == ["pool"]  # prepared already: nothing destructive again
 
 
+@pytest.mark.unit
 def test_data_on_a_device_is_never_formatted_without_wipe(tmp_path: Path) -> None:
     c = cfg(tmp_path, devices=("/dev/sdb",))
     state = P.NodeState(existing_devices=frozenset({"/dev/sdb"}), filesystems={"/dev/sdb": "ext4"})
@@ -66,6 +71,7 @@ def test_data_on_a_device_is_never_formatted_without_wipe(tmp_path: Path) -> Non
     assert P.plan(wipe, state)[0].argv == ("mkfs.xfs", "-f", "/dev/sdb")
 
 
+@pytest.mark.unit
 def test_raid_is_created_once_and_reused(tmp_path: Path) -> None:
     devs = ("/dev/nvme0n1", "/dev/nvme1n1")
     c = cfg(tmp_path, devices=devs)
@@ -85,6 +91,7 @@ def test_raid_is_created_once_and_reused(tmp_path: Path) -> None:
         P.plan(c, dataclasses.replace(state, md_available=False))
 
 
+@pytest.mark.unit
 def test_errors_name_the_device_and_the_fix(tmp_path: Path) -> None:
     c = cfg(tmp_path, devices=("/dev/nvme9n1",))
     with pytest.raises(P.PrepareError, match=r"devices: \['/dev/nvme9n1'\] do not exist"):
@@ -100,6 +107,7 @@ def test_errors_name_the_device_and_the_fix(tmp_path: Path) -> None:
         EngineConfig.from_dict({"ssd": {"dir": "/elsewhere"}, "prepare": {"devices": ["/dev/x"], "mount": "/mnt/fc"}})
 
 
+@pytest.mark.integration
 def test_cli_dry_run_prints_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "engine.json"
     path.write_text(json.dumps(cfg(tmp_path).to_dict()))
@@ -109,16 +117,19 @@ def test_cli_dry_run_prints_the_plan(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert not Path(json.loads(path.read_text())["ssd"]["dir"]).exists()  # dry run: nothing created
 
 
+@pytest.mark.system
 def test_real_xfs_on_a_loop_device(tmp_path: Path) -> None:
     """Runs mkfs.xfs and mount for real on a loop device, then builds the pool on XFS."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root for losetup, mkfs.xfs and mount")
+    assert os.geteuid() == 0, "needs root for losetup, mkfs.xfs and mount: run bin/test as root (CI does)"
+    for tool in ("losetup", "mkfs.xfs", "mount", "umount", "blkid"):
+        assert shutil.which(tool), (
+            f"{tool} is missing: bin/test installs it (apt-get install xfsprogs mount util-linux)"
+        )
     image = tmp_path / "disk.img"
     with open(image, "wb") as f:
         f.truncate(320 << 20)
     loop = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True, text=True)
-    if loop.returncode != 0:
-        pytest.skip(f"no loop devices here: {loop.stderr.strip()}")
+    assert loop.returncode == 0, f"no loop device: {loop.stderr.strip()} (modprobe loop, or run with --privileged)"
     dev = loop.stdout.strip()
     c = cfg(tmp_path, devices=(dev,))
     try:

@@ -15,6 +15,9 @@ from flatcake.node_agent.node import prepare as P
 from flatcake.node_agent.node import report as R
 from flatcake.node_agent.service.server import Agent
 from tests.support.engines import small_config
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.integration
 
 
 def test_node_id_waits_for_the_operator_then_reads_it(tmp_path: Path) -> None:
@@ -61,7 +64,8 @@ def test_reporter_keeps_going_while_the_api_server_is_away(tmp_path: Path, caplo
     )
     with caplog.at_level("WARNING", logger="flatcake.node_agent"):
         reporter.start()
-        time.sleep(0.5)
+        failures = lambda: sum("FlatCakeNode report failed" in r.message for r in caplog.records)  # noqa: E731
+        wait_until(lambda: failures() >= 2, what="two failed reports, logged")
         assert reporter._thread.is_alive()  # failed reports are logged and retried, never fatal
         reporter.stop()
     assert not reporter._thread.is_alive()

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from flatcake.node_agent.policy.coalesce import coalesce, layer_groups, pack, plan_restore
 
+pytestmark = pytest.mark.unit
+
 PAGE = 4096
 Desc = tuple[int, int, int]  # file, offset, length
 

@@ -5,6 +5,8 @@ from hypothesis import strategies as st
 from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.policy.gva import Medium
 
+pytestmark = pytest.mark.unit
+
 
 @given(st.sampled_from(list(Medium)), st.integers(0, G.MAX_NODE_ID), st.integers(0, G.MAX_OFFSET))
 def test_encode_decode_round_trip(medium: Medium, node: int, offset: int) -> None:

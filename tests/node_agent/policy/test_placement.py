@@ -11,6 +11,8 @@ from flatcake.node_agent.policy.placement import (
     overflow,
 )
 
+pytestmark = pytest.mark.unit
+
 CFG = PlacementConfig(agent_context_tokens=1000, agent_reply_tokens=100, short_reply_tokens=50)
 
 

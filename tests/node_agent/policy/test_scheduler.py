@@ -6,6 +6,8 @@ from hypothesis import strategies as st
 
 from flatcake.node_agent.policy.scheduler import DRAM_READY, SSD_PREPARING, Request, Scheduler, hrrn, simulate
 
+pytestmark = pytest.mark.unit
+
 MB = 1 << 20
 
 

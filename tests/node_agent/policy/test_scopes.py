@@ -7,6 +7,8 @@ from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Decision, Reason
 from flatcake.node_agent.policy.scopes import ScopeTable, Victim, plan_reclaim
 
+pytestmark = pytest.mark.unit
+
 SSD = Decision(Medium.SSD, Reason.ONE_SHOT)
 DRAM = Decision(Medium.DRAM, Reason.SHARED_PROMPT)
 

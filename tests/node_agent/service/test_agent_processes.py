@@ -8,15 +8,18 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.service.client import AgentConnection, connect
 from tests.support.engines import small_config
 from tests.support.kv_client import page_bytes_for
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.integration
 
 HELPER = Path(__file__).parents[2] / "support" / "kv_client.py"  # run as a script
 FLATCAKE = Path(sys.executable).parent / "flatcake"
@@ -27,18 +30,20 @@ def start_agent(config: EngineConfig, where: Path) -> subprocess.Popen[str]:
     path.write_text(json.dumps(config.to_dict()))
     proc = subprocess.Popen([str(FLATCAKE), "agent", "serve", "--config", str(path)], cwd=where,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + 30
-    while True:
+
+    def answers() -> bool:
         try:
             conn = AgentConnection(config.agent.socket, timeout=5)
             conn.call("register")
             conn.close()
-            return proc
+            return True
         except (ConnectionError, OSError):
             if proc.poll() is not None:
                 raise AssertionError(f"agent exited: {proc.stderr.read() if proc.stderr else ''}") from None
-            assert time.monotonic() < deadline, "agent did not come up"
-            time.sleep(0.05)
+            return False
+
+    wait_until(answers, what="the agent to answer on its socket")
+    return proc
 
 
 def stop_agent(proc: subprocess.Popen[str]) -> str:
@@ -84,8 +89,13 @@ def test_kill_9_during_a_put_storm_loses_nothing_published(tmp_path: Path) -> No
     config = small_config(node, files=1024, file_bytes=10 * 4 * 4096, dram_bytes=4096 * 4 * 4096)
     agent = start_agent(config, tmp_path)
     logs = [tmp_path / f"writer{i}.log" for i in range(2)]
-    writers = [client(config, log, 60, seed) for seed, log in enumerate(logs)]
-    time.sleep(1.0)
+    writers = [client(config, log, 600, seed) for seed, log in enumerate(logs)]
+
+    def storm_under_way() -> bool:
+        assert all(w.poll() is None for w in writers), "a writer exited before the kill"
+        return sum(len(read_log(log)[1]) for log in logs) >= 60  # both writers well into the storm
+
+    wait_until(storm_under_way, what="the writers to publish 60 pages")
     agent.send_signal(signal.SIGKILL)
     agent.wait(10)
     assert [w.wait(30) for w in writers] == [3, 3]  # both saw the agent vanish mid-storm
@@ -127,8 +137,9 @@ def test_eight_clients_concurrently_with_two_killed(tmp_path: Path) -> None:
         logs = [tmp_path / f"client{i}.log" for i in range(8)]
         # Two clients keep going until killed mid-run; six do eight rounds each and exit.
         procs = [client(config, log, 60, seed, "--pause", "0.1") for seed, log in enumerate(logs[:2])]
-        procs += [client(config, log, 60, seed, "--rounds", "8") for seed, log in enumerate(logs[2:], 2)]
-        time.sleep(2.5)
+        procs += [client(config, log, 600, seed, "--rounds", "8") for seed, log in enumerate(logs[2:], 2)]
+        for log in logs[:2]:  # each victim is killed in the middle of its work, not before it began
+            wait_until(lambda log=log: read_log(log)[1], what=f"{log.name} to publish")
         for victim in procs[:2]:
             os.kill(victim.pid, signal.SIGKILL)
         codes = [p.wait(60) for p in procs]

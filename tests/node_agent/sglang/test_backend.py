@@ -18,6 +18,8 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from flatcake.node_agent.sglang.backend import FlatCakeStorage
 from tests.support.agents import AgentThread
 
+pytestmark = pytest.mark.integration
+
 LAYERS, PAGE, HEADS, DIM, PAGES = 4, 16, 2, 64, 12  # MHA page: 2*16*2*64*2 B = 8 KiB per layer
 MLA_DIM = 128  # MLA page: 16*128*2 B = 4 KiB per layer
 
