@@ -40,12 +40,11 @@ from tqdm import tqdm
 from flatcake.loadgen.bench.fio import SequentialReadLimit
 from flatcake.loadgen.models import DEFAULT, ModelPreset, custom, preset
 from flatcake.loadgen.systems.base import RestoreCounters, System, SystemSpec, pids
-from flatcake.loadgen.traces.formats import read_trace
+from flatcake.loadgen.traces.formats import MOONCAKE_TRACE, read_trace
 from flatcake.loadgen.traces.sessions import Session, pick, sessions
 from flatcake.node_agent import ConfigError, Hints, aligned_empty, round_up
 
 MiB = 1 << 20
-MOONCAKE_TRACE = Path(__file__).parent.parent / "traces" / "data" / "mooncake_conversation_head2000.jsonl"
 PEERS = ("flatcake", "flatcake_engine", "hicache_file", "mooncake", "tiered", "tiered_naive")
 METRICS = (
     "restore_bytes_per_s", "time_to_first_layer_s", "restore_p50_s", "restore_p99_s", "durable_write_bytes_per_s",

@@ -11,7 +11,9 @@ hash block, default 512), so traces that know their sessions and turns can say s
 
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -23,6 +25,8 @@ GENERIC = "flatcake-trace/1"
 
 BUNDLED_TRACE = Path(__file__).with_name("data") / "agentic_small.jsonl"
 """The agentic trace shipped with the package: the main job's default (see docs/benchmarks.md)."""
+MOONCAKE_TRACE = Path(__file__).with_name("data") / "mooncake_conversation_trace.jsonl.xz"
+"""Mooncake's released conversation trace, shipped compressed (data/README.md)."""
 
 
 class TraceError(ValueError):
@@ -103,9 +107,19 @@ def parse_line(line: str, where: str) -> TraceRequest:
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> Iterator[TraceRequest]:
-    """Requests in file order (streamed: a trace of millions of lines is never held whole)."""
-    with open(path) as f:
+    """Requests in file order (streamed: a trace of millions of lines is never held whole); ``.gz``
+    and ``.xz`` files are read as they are."""
+    with _open_text(path) as f:
         yield from read_lines(f, str(path), limit)
+
+
+def _open_text(path: str | Path) -> TextIO:
+    suffix = Path(path).suffix
+    if suffix == ".gz":
+        return gzip.open(path, "rt")
+    if suffix == ".xz":
+        return lzma.open(path, "rt")
+    return open(path)
 
 
 def read_lines(f: TextIO, name: str, limit: int | None = None) -> Iterator[TraceRequest]:

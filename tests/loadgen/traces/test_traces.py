@@ -9,13 +9,19 @@ import pytest
 
 from flatcake.cli import main
 from flatcake.loadgen.traces import stats as ts
-from flatcake.loadgen.traces.formats import TraceError, TraceRequest, read_lines, read_trace, write_trace
+from flatcake.loadgen.traces.formats import (
+    MOONCAKE_TRACE,
+    TraceError,
+    TraceRequest,
+    read_lines,
+    read_trace,
+    write_trace,
+)
 from flatcake.loadgen.traces.synth import SynthConfig, synthesize
-from tests.support import ROOT
 
 pytestmark = pytest.mark.unit
 
-MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+MOONCAKE = MOONCAKE_TRACE  # the released trace, shipped xz-compressed
 GOOD = '{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]}'
 
 
@@ -115,3 +121,16 @@ def test_cli_stats_and_synth(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     bad.write_text(GOOD + "\n{oops\n")
     assert main(["trace", "stats", str(bad), "--quiet"]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.xz"])
+def test_compressed_traces_read_as_they_are(tmp_path: Path, suffix: str) -> None:
+    import gzip
+    import lzma
+
+    text = "\n".join([GOOD, GOOD.replace('"timestamp": 0', '"timestamp": 5')]) + "\n"
+    path = tmp_path / f"t{suffix}"
+    opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix, open)
+    with opener(path, "wt") as f:
+        f.write(text)
+    assert [r.timestamp_ms for r in read_trace(path)] == [0, 5]
