@@ -53,7 +53,7 @@ def test_quick_runs_the_ci_systems_and_ratios_come_from_the_same_medians(tmp_pat
     assert main(["bench", "peers", "--quick", "--quiet", "--dir", str(tmp_path / "scratch"), "--out", str(out)]) == 0
     report = json.loads((out / "peers.json").read_text())
     systems = report["systems"]
-    assert {"flatcake", "hicache_file", "tiered", "tiered_naive"} <= set(systems)
+    assert {"flatcake", "flatcake_engine", "hicache_file", "mooncake", "tiered", "tiered_naive"} == set(systems)
     for name, s in systems.items():
         assert s["ran"], (name, s["why_not"])
         assert s["corrupt_pages"] == 0 and s["verified_pages"] > 0

@@ -138,9 +138,8 @@ def test_a_dead_client_leaves_no_allocation_or_pin_behind(agent_thread: Start) -
             e.catalog.publish(alloc["id"], [0, 0])
         assert e.exists(["c"]) == 0
     conn.close()  # the process "dies": its connection drops
-    deadline = __import__("time").monotonic() + 5
-    while a.agent.snapshot()["open_allocations"] and __import__("time").monotonic() < deadline:
-        __import__("time").sleep(0.01)
+    dropped = lambda: (a.agent.snapshot()["open_allocations"], a.agent.snapshot()["leases"]) == (0, 0)  # noqa: E731
+    wait_until(dropped, what="the dead client's allocation and lease to be dropped")
     snap = a.agent.snapshot()
     assert (snap["open_allocations"], snap["leases"]) == (0, 0)
     assert snap["usage"]["ssd"]["used_bytes"] <= used and all(
