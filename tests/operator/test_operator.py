@@ -27,6 +27,7 @@ from flatcake.node_agent.config import ClusterConfig, EngineConfig
 from flatcake.operator import handlers, render
 from tests.support.engines import small_config
 from tests.support.kube_api import ApiServer, declare_resources
+from tests.support.waiting import async_wait_until
 
 NS = "kv"
 CACHE = "main"
@@ -91,15 +92,9 @@ class Cluster:
         assert status < 300, obj
         return obj
 
-    async def wait(self, check: Callable[[], Any], what: str, timeout: float = 20) -> Any:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            result = await check()
-            if result:
-                return result
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"timed out waiting for {what}")
-            await asyncio.sleep(0.1)  # kmock serves from this loop: never time.sleep
+    async def wait(self, check: Callable[[], Any], what: str) -> Any:
+        # kmock serves from this loop, so the wait polls with asyncio.sleep, never time.sleep.
+        return await async_wait_until(check, what=what, poll=0.1)
 
     async def cache_status(self) -> dict[str, Any]:
         obj = await self.get(K.CACHES, CACHE)
@@ -487,7 +482,7 @@ async def test_delete_with_delete_policy_erases_every_node_first(cluster: Cluste
         await cluster.patch(
             K.DAEMON_SETS, f"{CACHE}-reclaim", {"status": {"desiredNumberScheduled": 2, "numberReady": 2}}
         )
-        await cluster.wait(lambda: _gone(cluster), "the cache to go", timeout=30)
+        await cluster.wait(lambda: _gone(cluster), "the cache to go")
     assert await cluster.get(K.DAEMON_SETS, f"{CACHE}-reclaim") is None
     assert await cluster.get(K.CONFIG_MAPS, f"{CACHE}-node-ids") is None
     assert await cluster.get(K.FLATCAKE_NODES, f"{CACHE}-node-a") is None
@@ -547,7 +542,7 @@ async def test_a_real_agent_process_takes_its_node_id_and_reports(
             assert proc.poll() is None, (tmp_path / "agent.log").read_text()
             return waiting in (tmp_path / "agent.log").read_text()
 
-        await cluster.wait(logged, "the agent to wait for its NodeID", timeout=60)
+        await cluster.wait(logged, "the agent to wait for its NodeID")
         assert await cluster.get(K.FLATCAKE_NODES, name) is None  # no NodeID yet: not serving
         (ids / "node-a").write_text("7")
 
@@ -556,7 +551,7 @@ async def test_a_real_agent_process_takes_its_node_id_and_reports(
             status = (obj or {}).get("status", {})
             return obj if status.get("ready") is ready and status.get("nodeId") == 7 else None
 
-        obj = await cluster.wait(lambda: reported(True), "the agent's FlatCakeNode", timeout=60)
+        obj = await cluster.wait(lambda: reported(True), "the agent's FlatCakeNode")
         assert obj["spec"] == {"cache": CACHE, "nodeName": "node-a"}
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
         assert obj["status"]["ssdCapacityBytes"] == config.ssd.file_bytes * config.ssd.file_count
