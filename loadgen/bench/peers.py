@@ -21,7 +21,6 @@ end of the write phase and the system's ``prepare`` (Mooncake settles its SSD of
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import shutil
@@ -40,7 +39,9 @@ from tqdm import tqdm
 
 from flatcake.loadgen.bench.fio import SequentialReadLimit
 from flatcake.loadgen.models import DEFAULT, ModelPreset, custom, preset
+from flatcake.loadgen.systems import SYSTEMS
 from flatcake.loadgen.systems.base import RestoreCounters, System, SystemSpec, pids
+from flatcake.loadgen.systems.mooncake import MooncakeSystem
 from flatcake.loadgen.traces.formats import MOONCAKE_TRACE, read_trace
 from flatcake.loadgen.traces.sessions import Session, pick, sessions
 from flatcake.node_agent import ConfigError, Hints, aligned_empty, round_up
@@ -137,24 +138,17 @@ def _crc(page: np.ndarray) -> int:
 
 # ---- the worker: one system, in its own process ------------------------------------------------------
 def make_system(name: str, directory: Path, spec: SystemSpec, session_pages: int) -> System:
-    if name == "flatcake":
-        from flatcake.loadgen.systems.sglang import FlatCakeSGLangSystem
-
-        return FlatCakeSGLangSystem(directory, spec, session_pages)
-    if name == "hicache_file":
-        from flatcake.loadgen.systems.sglang import HiCacheFileSystem
-
-        return HiCacheFileSystem(directory, spec, session_pages)
-    if name == "mooncake":
-        mooncake = importlib.import_module("flatcake.loadgen.systems.mooncake")
-        system: System = mooncake.MooncakeSystem(directory, spec)
-        return system
-    from flatcake.loadgen.systems import SYSTEMS
-
-    key = "flatcake" if name == "flatcake_engine" else name
-    if key not in SYSTEMS or name == "flatcake" or key == "per_block":
+    """A peer by name. The SGLang systems import SGLang and torch, so they are imported only when run."""
+    if name not in PEERS:
         raise ConfigError(f"systems: {name!r} is not one of {', '.join(PEERS)}")
-    return SYSTEMS[key](directory, spec)
+    if name in ("flatcake", "hicache_file"):
+        from flatcake.loadgen.systems import sglang
+
+        cls = sglang.FlatCakeSGLangSystem if name == "flatcake" else sglang.HiCacheFileSystem
+        return cls(directory, spec, session_pages)
+    if name == "mooncake":
+        return MooncakeSystem(directory, spec)
+    return SYSTEMS["flatcake" if name == "flatcake_engine" else name](directory, spec)
 
 
 def _proc(pid: int | str, field_name: str, table: str = "status") -> int:

@@ -209,10 +209,6 @@ class FlatCakeSGLangSystem(_SGLangSystem):
         self._prefix: dict[str, list[str]] = {}  # the keys before each stored page: SGLang's prefix_keys
         self._base: dict[str, int] = {}
 
-    def put(self, keys: Sequence[Key], kv: Array, hints: Hints) -> None:
-        self._hints = hints
-        super().put(keys, kv, hints)
-
     def set_pages(self, keys: list[str], slots: range, hints: Hints) -> bool:
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
