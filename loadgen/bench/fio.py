@@ -44,7 +44,8 @@ class SequentialReadLimit:
         where.mkdir(exist_ok=True)
         args = [
             self._fio, f"--name=limit{chunk}", f"--directory={where}", f"--size={self.size_mib}m", "--rw=read",
-            f"--bs={self.block_bytes}", "--direct=1", "--ioengine=psync", f"--numjobs={self.jobs}", "--group_reporting",
+            f"--bs={min(self.block_bytes, self.size_mib << 20)}", "--direct=1", "--ioengine=psync",
+            f"--numjobs={self.jobs}", "--group_reporting",
             "--output-format=json", *extra,
         ]  # fmt: skip
         try:

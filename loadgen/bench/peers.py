@@ -300,9 +300,11 @@ def run(
         f"workload: {len(w.sessions)} sessions, {pages} pages restored ({w.unique_pages()} stored) of {m.layers} x "
         f"{m.page_layer_bytes} B ({m.name}), {pages * m.page_bytes / MiB:.0f} MiB per system, in {directory}"
     )
-    # fio reads as FlatCake does: one turn's pages of one layer per command, `workers` at a time.
-    block = round_up(cfg.per_turn(m) * m.page_layer_bytes)
-    fio = SequentialReadLimit(directory, cfg.workers, pages * m.page_bytes, cfg.repeats * len(cfg.systems), block)
+    # fio reads as FlatCake does: commands of FlatCake's mean read size, `workers` at a time. That size is
+    # known once a FlatCake system has run (FC-CIO merges a segment's layers as far as a slot allows);
+    # until then, one turn's pages of one layer.
+    fio = SequentialReadLimit(directory, cfg.workers, pages * m.page_bytes, cfg.repeats * len(cfg.systems),
+                              round_up(cfg.per_turn(m) * m.page_layer_bytes))  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.systems}
     chunk = 0
     try:
@@ -310,14 +312,17 @@ def run(
                   disable=quiet) as bar:  # fmt: skip
             for _ in range(cfg.repeats):
                 for name in cfg.systems:  # ABAB: the limit is measured between every two systems
+                    bar.set_postfix_str(name)
+                    result = run_worker(name, directory / name, cfg)
+                    runs[name].append(result)
+                    bar.update()
+                    if not result["ran"]:
+                        log(f"{name}: not run: {result['why_not']}")
+                    elif name.startswith("flatcake") and result["read_commands"]:
+                        fio.block_bytes = round_up(result["device_read_bytes"] // result["read_commands"])
                     fio.prepare(chunk)
                     fio.measure(chunk)
                     chunk += 1
-                    bar.set_postfix_str(name)
-                    runs[name].append(run_worker(name, directory / name, cfg))
-                    bar.update()
-                    if not runs[name][-1]["ran"]:
-                        log(f"{name}: not run: {runs[name][-1]['why_not']}")
         limit = fio.result()
     finally:
         fio.close()
