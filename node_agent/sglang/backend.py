@@ -177,8 +177,21 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         dest, ok = self._get(keys)
         for j, start in enumerate(host_indices[:: self.page_tokens].tolist()):
             if ok[j]:
-                pool.set_from_flat_data_page(int(start), self._natural_flat(dest[:, j]))
+                self._place(pool, int(start), dest[:, j])
         return ok
+
+    def _place(self, pool: Any, start: int, layers: npt.NDArray[np.uint8]) -> None:
+        """Copy one restored ``[layers][page_bytes]`` page into the host pool. Where the pool's page is a
+        view of its buffer (SGLang's host pools slice ``kv_buffer``) that is one strided copy straight
+        into place; otherwise the pool's own ``set_from_flat_data_page`` (two more copies)."""
+        target = pool.get_data_page(start, flat=False)
+        if target.untyped_storage().data_ptr() != pool.kv_buffer.untyped_storage().data_ptr():
+            pool.set_from_flat_data_page(start, self._natural_flat(layers))
+            return
+        moved_shape = list(self.page_shape)
+        moved_shape.insert(0, moved_shape.pop(self.axis))
+        source = torch.from_numpy(layers[:, : self.raw_bytes]).view(self.dtype).reshape(moved_shape)
+        target.copy_(source.movedim(0, self.axis))  # same shape: page_shape is this view's shape
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         try:

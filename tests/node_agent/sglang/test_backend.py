@@ -170,3 +170,28 @@ def test_both_module_paths_load_through_the_dynamic_factory(agent_thread: Start,
     keys = [f"{i:064x}" for i in range(2)]
     assert backend.batch_set_v1(keys, torch.arange(0, 2 * PAGE)) == [True, True]
     assert backend.batch_exists(keys) == 2
+
+
+class CopyingHostPool(HostPool):
+    """A host pool whose pages are copies, not views: the backend must go through set_from_flat_data_page."""
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return super().get_data_page(index, flat).clone()
+
+
+@pytest.mark.parametrize("pool_class", [HostPool, CopyingHostPool])
+def test_restored_pages_land_in_the_pool_whether_its_pages_are_views_or_copies(
+    agent_thread: Start, pool_class: type[HostPool]
+) -> None:
+    page_bytes = 2 * PAGE * HEADS * DIM * 2
+    agent = agent_thread(layers=LAYERS, page_bytes=page_bytes, files=8, file_bytes=64 * LAYERS * page_bytes)
+    pool = pool_class(False, "page_first")
+    backend = make_backend(agent, pool)
+    original = pool.kv_buffer.clone()
+    keys = [f"{i:064x}" for i in range(3)]
+    assert backend.batch_set_v1(keys, torch.arange(0, 3 * PAGE)) == [True] * 3
+    pool.kv_buffer.zero_()
+    assert backend.batch_get_v1(keys, torch.arange(3 * PAGE, 6 * PAGE)) == [True] * 3
+    for j in range(3):
+        assert torch.equal(pool.kv_buffer[:, (3 + j) * PAGE : (4 + j) * PAGE], original[:, j * PAGE : (j + 1) * PAGE])
+    backend.close()
