@@ -15,7 +15,7 @@ import signal
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,8 @@ def key_batch(prefix: str, n: int) -> list[str]:
     return [f"{prefix}-{i:058x}" for i in range(n)]  # the length of a SHA-256 hex digest, and then some
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile by rank (no interpolation): a value that was measured."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 

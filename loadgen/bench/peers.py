@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from flatcake.loadgen.bench.agent import percentile
 from flatcake.loadgen.bench.fio import SequentialReadLimit
 from flatcake.loadgen.models import DEFAULT, ModelPreset, custom, preset
 from flatcake.loadgen.systems import SYSTEMS
@@ -238,8 +239,8 @@ def run_system(
         return {
             "ran": True, "why_not": None,
             "restore_bytes_per_s": requested / sum(seconds), "restore_seconds": sum(seconds),
-            "time_to_first_layer_s": statistics.median(first), "restore_p50_s": _percentile(seconds, 0.5),
-            "restore_p99_s": _percentile(seconds, 0.99),
+            "time_to_first_layer_s": statistics.median(first), "restore_p50_s": percentile(seconds, 0.5),
+            "restore_p99_s": percentile(seconds, 0.99),
             "ack_write_bytes_per_s": put_bytes / put_seconds,
             "durable_write_bytes_per_s": put_bytes / (put_seconds + sync_seconds),
             "dram_hit_fraction": c.dram_pages / restored, "peak_rss_bytes": rss, "worker_base_rss_bytes": base_rss,
@@ -250,11 +251,6 @@ def run_system(
         }  # fmt: skip
     finally:
         system.close()
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def worker_main() -> int:

@@ -3,6 +3,7 @@ session scope, sized so that nothing is reclaimed during a benchmark."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -13,38 +14,38 @@ from flatcake.loadgen.systems.base import Array, MiB, RequestTiming, RestoreCoun
 from flatcake.node_agent import DramConfig, Engine, EngineConfig, Hints, IOConfig, Key, SsdConfig, round_up
 
 
+def engine_config(spec: SystemSpec, pool_dir: Path, dram: DramConfig, streams: int = 1) -> EngineConfig:
+    """The engine configuration every FlatCake system of the benchmarks runs with. DRAM is the spec's
+    share of all pages (what lands there is placement's decision); one pool file per session scope,
+    large enough for its whole history, and room under the high watermark (0.9) for every session, so
+    nothing is reclaimed during a benchmark."""
+    return EngineConfig(
+        layers=spec.layers,
+        page_bytes=spec.page_bytes,
+        page_tokens=spec.page_tokens,
+        dram=dataclasses.replace(dram, bytes=int(spec.dram_fraction * spec.total_pages) * spec.page_span),
+        ssd=SsdConfig(
+            dir=str(pool_dir),
+            file_bytes=round_up(spec.session_bytes, MiB),
+            file_count=math.ceil(spec.sessions / 0.85) + 1,
+        ),
+        io=IOConfig(
+            backend="posix",
+            workers=spec.workers,
+            gap_bytes=spec.gap_bytes,
+            staging_layers=spec.staging_layers,
+            staging_slot_bytes=spec.staging_slot_bytes,
+            streams=streams,
+        ),
+    )
+
+
 class FlatCakeSystem:
     name = "flatcake"
 
     def __init__(self, directory: Path, spec: SystemSpec) -> None:
-        self.engine = Engine(
-            EngineConfig(
-                layers=spec.layers,
-                page_bytes=spec.page_bytes,
-                page_tokens=spec.page_tokens,
-                # DRAM is the spec's share of all pages; what lands there is placement's decision.
-                dram=DramConfig(
-                    bytes=int(spec.dram_fraction * spec.total_pages) * spec.page_span,
-                    huge_pages=False,
-                    name=f"flatcake-bench-{directory.name}-{os.getpid()}",
-                ),
-                # One file per session scope, large enough for its whole history; room under the high
-                # watermark (0.9) for every session, so nothing is reclaimed during the benchmark.
-                ssd=SsdConfig(
-                    dir=str(directory),
-                    file_bytes=round_up(spec.session_bytes, MiB),
-                    file_count=math.ceil(spec.sessions / 0.85) + 1,
-                ),
-                io=IOConfig(
-                    backend="posix",
-                    workers=spec.workers,
-                    gap_bytes=spec.gap_bytes,
-                    staging_layers=spec.staging_layers,
-                    staging_slot_bytes=spec.staging_slot_bytes,
-                    streams=1,
-                ),
-            )
-        )
+        dram = DramConfig(huge_pages=False, name=f"flatcake-bench-{directory.name}-{os.getpid()}")
+        self.engine = Engine(engine_config(spec, directory, dram))
         self._base = self.engine.stats.snapshot()
         self._peak = 0
         self._timings: list[RequestTiming] = []

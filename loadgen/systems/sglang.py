@@ -16,7 +16,7 @@ host pages back into the benchmark's ``[layers][pages][page_bytes]`` layout for 
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import shutil
 import time
 from collections.abc import Sequence
@@ -26,15 +26,14 @@ from typing import Any
 import numpy as np
 
 from flatcake.loadgen.systems.base import Array, RequestTiming, RestoreCounters, SystemSpec
+from flatcake.loadgen.systems.flatcake import engine_config
 from flatcake.node_agent import (
     AgentConfig,
     ConfigError,
     DramConfig,
-    EngineConfig,
     Hints,
     IOConfig,
     Key,
-    SsdConfig,
     round_up,
     spawn,
 )
@@ -186,16 +185,11 @@ class FlatCakeSGLangSystem(_SGLangSystem):
     def __init__(self, directory: Path, spec: SystemSpec, session_pages: int) -> None:
         super().__init__(directory, spec, session_pages)
         directory.mkdir(parents=True, exist_ok=True)
-        config = EngineConfig(
-            layers=spec.layers, page_bytes=spec.page_bytes, page_tokens=spec.page_tokens,
-            dram=DramConfig(bytes=int(spec.dram_fraction * spec.total_pages) * spec.page_span, huge_pages=False,
-                            shm_dir=str(directory), name="bench-dram"),
-            ssd=SsdConfig(dir=str(directory / "pool"), file_bytes=round_up(spec.session_bytes, 1 << 20),
-                          file_count=math.ceil(spec.sessions / 0.85) + 1),
-            io=IOConfig(backend="posix", workers=spec.workers, gap_bytes=spec.gap_bytes,
-                        staging_layers=spec.staging_layers, staging_slot_bytes=spec.staging_slot_bytes),
+        dram = DramConfig(huge_pages=False, shm_dir=str(directory), name="bench-dram")
+        config = dataclasses.replace(
+            engine_config(spec, directory / "pool", dram, streams=IOConfig().streams),
             agent=AgentConfig(socket=str(directory / "agent.sock"), metrics_host="127.0.0.1", metrics_port=0),
-        )  # fmt: skip
+        )
         self.agent = spawn(config, directory)
         try:
             extra = {"backend_name": "flatcake", "module_path": "flatcake.node_agent.sglang",
