@@ -7,11 +7,12 @@ import dataclasses
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import flatcake
-from flatcake.errors import FlatCakeError
+from flatcake.errors import ConfigError, FlatCakeError
 from flatcake.node_agent.constants import SCHEDULER_POLICIES
 
 
@@ -104,17 +105,34 @@ def _emulate(args: argparse.Namespace) -> int:
     return 0
 
 
+T = TypeVar("T")
+
+
+def _csv(kind: Callable[[str], T], flag: str) -> Callable[[str], tuple[T, ...]]:
+    """An argparse type for comma-separated values, naming the flag when one is bad."""
+
+    def parse(text: str) -> tuple[T, ...]:
+        try:
+            return tuple(kind(v) for v in text.split(",") if v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: {text!r} is not a comma-separated list") from None
+
+    return parse
+
+
 def _bench_e2e(args: argparse.Namespace) -> int:
     from flatcake.loadgen.bench import e2e
     from flatcake.loadgen.report import build as R
 
     cfg = e2e.QUICK if args.quick else e2e.E2EConfig()
-    if args.trace:
-        cfg = dataclasses.replace(cfg, trace=args.trace)
-    if args.requests:
-        cfg = dataclasses.replace(cfg, requests=args.requests)
-    if args.qps:
-        cfg = dataclasses.replace(cfg, qps=tuple(args.qps))
+    names = ("trace", "offset", "requests", "window_s", "qps", "time_scale", "systems", "schedulers", "repeats",
+             "model", "gpu", "prefetch_policy")  # fmt: skip
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    sizing = {k: getattr(args, k) for k in ("hbm_share", "dram_share") if getattr(args, k) is not None}
+    try:
+        cfg = dataclasses.replace(cfg, **given, sizing=dataclasses.replace(cfg.sizing, **sizing))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     report = e2e.run(cfg, args.out, log=lambda m: print(m, file=sys.stderr))
     print(R.format_table(report))
     print(f"report: {Path(args.out) / 'report.md'} (and report.html, report.json, plots)", file=sys.stderr)
@@ -208,10 +226,27 @@ def build_parser() -> argparse.ArgumentParser:
     restore.set_defaults(func=_bench_restore)
 
     e2e = bench.add_parser("e2e", help="the main job: trace replay through Locust against emulators, then the report")
-    e2e.add_argument("--quick", action="store_true", help="fewer requests per point")
+    e2e.add_argument("--quick", action="store_true", help="a short slice, two rates, one repeat")
     e2e.add_argument("--trace", help="trace to replay (default: the bundled agentic trace)")
-    e2e.add_argument("--requests", type=int, help="requests replayed per point")
-    e2e.add_argument("--qps", type=float, nargs="+", help="arrival rates (default 2 4 8)")
+    e2e.add_argument("--offset", type=int, help="requests of the trace to skip first (default 0)")
+    e2e.add_argument("--requests", type=int, help="requests replayed per point (default 100)")
+    e2e.add_argument("--window", type=float, dest="window_s", help="at most this many seconds of trace time")
+    e2e.add_argument("--qps", type=_csv(float, "--qps"), help="arrival rates, comma-separated (default 2,4,8)")
+    e2e.add_argument("--time-scale", type=_csv(float, "--time-scale"), dest="time_scale",
+                     help="replay at the trace's own times x each factor, instead of --qps")  # fmt: skip
+    e2e.add_argument("--systems", type=_csv(str, "--systems"), help="flatcake,tiered,dram (default all)")
+    e2e.add_argument("--scheduler", type=_csv(str, "--scheduler"), dest="schedulers",
+                     help="FlatCake's scheduler(s): mas (default), fcfs, or mas,fcfs for the ablation")  # fmt: skip
+    e2e.add_argument("--repeats", type=int, help="cold runs per point (default 3); spreads are min/median/max")
+    e2e.add_argument("--model", help="model preset: dsv4-flash (default) or llama3-70b-tp4")
+    e2e.add_argument("--gpu", help="the modelled GPU: a100 (default) or h200")
+    e2e.add_argument(
+        "--prefetch-policy",
+        dest="prefetch_policy",
+        help="tiered: SGLang's prefetch stop policy: timeout (default), best_effort, wait_complete",
+    )
+    e2e.add_argument("--hbm-share", type=float, dest="hbm_share", help="HBM as a share of the working set (0.125)")
+    e2e.add_argument("--dram-share", type=float, dest="dram_share", help="DRAM as a share of the working set (0.25)")
     e2e.add_argument("--out", default="results/e2e", help="where runs, report and plots go")
     e2e.set_defaults(func=_bench_e2e)
 
@@ -310,7 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     emulate.add_argument("--port", type=int, default=8000)
     emulate.add_argument("--data-dir", dest="data_dir")
     emulate.add_argument("--agent-socket", dest="agent_socket", help="flatcake mode: use this node agent")
-    for name, kind in (("hbm-bytes", int), ("dram-bytes", int), ("ssd-bytes", int), ("staging-tokens", int),
+    emulate.add_argument("--model", help="model preset: KV geometry and GPU costs (dsv4-flash, llama3-70b-tp4)")
+    emulate.add_argument("--gpu", help="the modelled GPU with --model: h200 (default) or a100")
+    emulate.add_argument(
+        "--prefetch-policy",
+        dest="prefetch_policy",
+        help="tiered: SGLang's prefetch stop policy: timeout, best_effort, wait_complete",
+    )
+    for name, kind in (("hbm-bytes", int), ("dram-bytes", int), ("ssd-bytes", int), ("scope-file-bytes", int),
                        ("prefill-tokens-per-s", float), ("decode-tokens-per-s", float), ("layers", int),
                        ("bytes-per-token-layer", int)):  # fmt: skip
         emulate.add_argument(f"--{name}", type=kind, dest=name.replace("-", "_"))

@@ -67,7 +67,20 @@ _SPECS = [
         "Prompt tokens recomputed: uncached, declined (staging full), not_prefetched (on SSD but not prefetched "
         "at admission: tiered), failed (I/O).",
     ),
-    Spec("flatcake_prefetch_declined", "counter", ("system",), "", "SSD prefetches declined for lack of staging."),
+    Spec(
+        "flatcake_prefetch_declined",
+        "counter",
+        ("system",),
+        "",
+        "SSD prefetches declined at admission: tokens in flight reached half the host pool (tiered, as SGLang).",
+    ),
+    Spec(
+        "flatcake_prefetch_retries",
+        "counter",
+        ("system",),
+        "",
+        "Declined SSD prefetches tried again at a later scheduling pass (tiered, as SGLang).",
+    ),
     Spec("flatcake_prefetch_seconds", "histogram", ("system",), "seconds", "SSD prefetch time per request."),
     Spec("flatcake_queue_depth", "gauge", ("system", "queue"), "", "Requests waiting, by queue."),
     Spec(
@@ -77,7 +90,27 @@ _SPECS = [
         "seconds",
         "Time from arrival to prefill start, by the queue the request joined.",
     ),
-    Spec("flatcake_staging_tokens", "gauge", ("system",), "", "Tokens held in host staging (tiered)."),
+    Spec(
+        "flatcake_staging_tokens",
+        "gauge",
+        ("system",),
+        "",
+        "Tokens of started SSD prefetches not yet taken by their request (tiered: SGLang's occupied tokens).",
+    ),
+    Spec(
+        "flatcake_placed_pages",
+        "counter",
+        ("system", "medium"),
+        "",
+        "Pages stored, by the medium placement chose (dram, ssd).",
+    ),
+    Spec(
+        "flatcake_placed_reused_pages",
+        "counter",
+        ("system", "medium"),
+        "",
+        "Stored pages asked for again by a later prompt, by the medium they were placed on.",
+    ),
     Spec(
         "flatcake_staging_bytes",
         "gauge",

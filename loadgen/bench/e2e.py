@@ -1,8 +1,12 @@
-"""``flatcake bench e2e``: the main job. Emulators on loopback, a trace replayed through Locust at
-several rates for FlatCake, tiered and DRAM-only storage, then the report.
+"""``flatcake bench e2e``: the main job. Emulators on loopback, a trace slice replayed through Locust at
+several rates for FlatCake (under FC-MAS, and FCFS for the ablation), tiered (SGLang HiCache's rules)
+and DRAM-only storage, repeated, then the report.
 
-Each (system, QPS) point starts cold: a fresh emulator (and, for FlatCake, a fresh node agent that
-the emulator uses as its client) on fresh pools, so points do not warm each other.
+Calibrated: the emulated GPU costs what the model preset says on the named GPU, and the KV bytes per
+token are the preset's, through the real engines on this machine's disk. The emulator sizes HBM,
+DRAM and SSD from the slice's working set (shares stated in the report), so any trace exercises
+the storage rather than fitting in HBM. Each (system, rate, repeat) point starts cold: a fresh
+emulator (and, for FlatCake, a fresh node agent that the emulator uses as its client) on fresh pools.
 """
 
 from __future__ import annotations
@@ -22,42 +26,82 @@ from pathlib import Path
 from typing import Any
 
 from flatcake.loadgen.emulator.server import EmulatorConfig, engine_config, page_keys
+from flatcake.loadgen.models import preset
 from flatcake.loadgen.replay.requests import prompt_tokens
 from flatcake.loadgen.replay.run import LoadgenConfig
 from flatcake.loadgen.replay.run import run as run_locust
 from flatcake.loadgen.report import build as R
+from flatcake.loadgen.systems import hicache
+from flatcake.loadgen.traces import slices
 from flatcake.loadgen.traces import stats as trace_stats
-from flatcake.loadgen.traces.formats import BUNDLED_TRACE, read_trace
+from flatcake.loadgen.traces.formats import BUNDLED_TRACE, TraceRequest, read_trace
 from flatcake.node_agent import AgentConfig, spawn
 
 BUNDLED = BUNDLED_TRACE
 FLATCAKE = str(Path(sys.executable).parent / "flatcake")
+SYSTEMS = ("flatcake", "tiered", "dram", "none")  # none: recompute every prompt (no prefix storage)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """HBM, DRAM and SSD as shares of the slice's working set (its distinct pages). A short slice
+    has few sessions in flight, where production has hundreds whose prefills push a session's
+    previous turn out of HBM; a small HBM share stands in for that pressure. The defaults keep the
+    paper's order (HBM < DRAM, SSD holding everything); docs/benchmarks.md explains them."""
+
+    hbm_share: float = 0.125
+    dram_share: float = 0.25
+    ssd_share: float = 2.0
+
+    def apply(self, emu: EmulatorConfig, working_set_pages: int, longest_prompt_pages: int) -> EmulatorConfig:
+        span = emu.page_span
+        hbm = max(1, int(working_set_pages * self.hbm_share))
+        dram = max(1, int(working_set_pages * self.dram_share))
+        ssd = max(int(working_set_pages * self.ssd_share), 64) * span
+        return dataclasses.replace(emu, hbm_bytes=hbm * span, dram_bytes=dram * span, ssd_bytes=ssd,
+                                   scope_file_bytes=max(emu.scope_file_bytes, 4 * span))  # fmt: skip
 
 
 @dataclass(frozen=True)
 class E2EConfig:
     trace: str = str(BUNDLED)
-    requests: int = 50
+    offset: int = 0  # requests of the trace skipped
+    requests: int | None = 100
+    window_s: float | None = None  # at most this much trace time from the first kept request
     qps: tuple[float, ...] = (2.0, 4.0, 8.0)
+    time_scale: tuple[float, ...] | None = None  # replay at the trace's own times x each factor, instead of qps
     systems: tuple[str, ...] = ("flatcake", "tiered", "dram")
+    schedulers: tuple[str, ...] = ("mas",)  # FlatCake's; two run the FC-MAS ablation
+    repeats: int = 3
+    model: str = "dsv4-flash"
+    gpu: str = "a100"
+    prefetch_policy: str = hicache.DEFAULT_PREFETCH_POLICY
+    sizing: Sizing = field(default_factory=Sizing)
     max_output: int = 16
     use_agent: bool = True
-    # The modelled GPU and memory sizes (see loadgen/emulator.py); sized so that the middle rate is
-    # near the GPU's limit and the highest is past it, where queues (and tiered staging) fill.
-    emulator: EmulatorConfig = field(
-        default_factory=lambda: EmulatorConfig(hbm_bytes=2 << 20, dram_bytes=4 << 20, ssd_bytes=1536 << 20,
-                                               staging_tokens=40_000, prefill_tokens_per_s=5_000.0)
-    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        for s in self.systems:
+            if s not in SYSTEMS:
+                raise ValueError(f"systems: {s!r} is not one of {', '.join(SYSTEMS)}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats: {self.repeats} must be >= 1")
+        if any(q <= 0 for q in self.qps) or any(t <= 0 for t in self.time_scale or ()):
+            raise ValueError("qps / time_scale: every value must be > 0")
+        preset(self.model)
+        EmulatorConfig(model=self.model, gpu=self.gpu, prefetch_policy=self.prefetch_policy)
 
 
-QUICK = E2EConfig(requests=24, qps=(2.0, 8.0))
+# A slice where the systems differ within a minute or two: the bundled agentic trace's first 48
+# requests, one repeat, a rate near the modelled GPU's limit and one past it.
+QUICK = E2EConfig(requests=48, qps=(4.0, 8.0), repeats=1)
 
 
-def page_ideal(trace: str, limit: int, page_tokens: int) -> float:
+def page_ideal(requests: list[TraceRequest], page_tokens: int) -> float:
     """Delivered hit rate of an infinite cache of full pages: what an engine with pages can reach."""
     seen: set[str] = set()
     hit = total = 0
-    for r in read_trace(trace, limit):
+    for r in requests:
         tokens = prompt_tokens(r)
         keys = page_keys(tokens, page_tokens)
         n = 0
@@ -69,14 +113,26 @@ def page_ideal(trace: str, limit: int, page_tokens: int) -> float:
     return hit / total if total else 0.0
 
 
+def working_set(requests: list[TraceRequest], page_tokens: int) -> tuple[int, int]:
+    """Distinct full pages of the slice, and the longest prompt in pages."""
+    seen: set[str] = set()
+    longest = 0
+    for r in requests:
+        keys = page_keys(prompt_tokens(r), page_tokens)
+        seen.update(keys)
+        longest = max(longest, len(keys))
+    return len(seen), longest
+
+
 def run_meta(trace: str, requests: int | None, page_tokens: int, qps: tuple[float, ...], systems: tuple[str, ...],
              context: str, description: str = "") -> dict[str, Any]:  # fmt: skip
     """What the report needs besides the records: the trace slice, its ideal hit rates, where it ran."""
-    stats = trace_stats.compute(read_trace(trace, requests), progress=False)
+    reqs = list(read_trace(trace, requests))
+    stats = trace_stats.compute(iter(reqs), progress=False)
     return {
         "trace": trace, "requests": stats["requests"], "qps": list(qps), "systems": list(systems),
         "ideal_hit_rate_tokens": stats["ideal_hit_rate_tokens"],
-        "ideal_hit_rate_pages": page_ideal(trace, requests or stats["requests"], page_tokens),
+        "ideal_hit_rate_pages": page_ideal(reqs, page_tokens), "page_tokens": page_tokens,
         "context": context, "description": description,
     }  # fmt: skip
 
@@ -114,19 +170,41 @@ def _stop(proc: subprocess.Popen[bytes] | None) -> None:
             proc.kill()
 
 
-def run_point(cfg: E2EConfig, system: str, qps: float, out: Path, work: Path) -> None:
-    """One cold run of one system at one rate; its records land in ``out/<system>/qps-<q>/``."""
-    run_dir = out / system / f"qps-{qps:g}"
+@dataclass(frozen=True)
+class Point:
+    system: str
+    scheduler: str | None  # FlatCake's; None for the others (FCFS as SGLang schedules)
+    qps: float
+    repeat: int
+
+    @property
+    def label(self) -> str:
+        return self.system if self.scheduler in (None, "mas") else f"{self.system}-{self.scheduler}"
+
+
+def points(cfg: E2EConfig, rates: tuple[float, ...]) -> list[Point]:
+    """Repeats outermost, so a slow drift of the machine spreads over every system alike."""
+    out = []
+    for rep in range(cfg.repeats):
+        for system in cfg.systems:
+            for sched in cfg.schedulers if system == "flatcake" else (None,):
+                out += [Point(system, sched, q, rep) for q in rates]
+    return out
+
+
+def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Point, out: Path, work: Path) -> None:
+    """One cold run of one system at one rate; its records land in ``out/<label>/qps-<q>/rep-<i>/``."""
+    run_dir = out / point.label / f"qps-{point.qps:g}" / f"rep-{point.repeat}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    data = work / f"{system}-{qps:g}"
+    data = work / f"{point.label}-{point.qps:g}-{point.repeat}"
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
-    emu = dataclasses.replace(cfg.emulator, mode=system, data_dir=str(data))
+    emu = dataclasses.replace(emu_base, mode=point.system, data_dir=str(data), scheduler=point.scheduler)
     agent = emulator = None
     logs = []
     try:
-        if system == "flatcake" and cfg.use_agent:
+        if point.system == "flatcake" and cfg.use_agent:
             sock = str(data / "agent.sock")
             agent_cfg = AgentConfig(socket=sock, metrics_host="127.0.0.1", metrics_port=0)
             engine = dataclasses.replace(engine_config(emu, data / "flatcake"), agent=agent_cfg)
@@ -134,19 +212,21 @@ def run_point(cfg: E2EConfig, system: str, qps: float, out: Path, work: Path) ->
             agent = spawn(engine, data, logs[-1])
             emu = dataclasses.replace(emu, agent_socket=sock)
         port = _free_port()
-        args = [FLATCAKE, "emulate", "--mode", system, "--port", str(port), "--data-dir", str(data)]
-        for name in ("hbm_bytes", "dram_bytes", "ssd_bytes", "staging_tokens", "prefill_tokens_per_s",
-                     "decode_tokens_per_s", "layers", "bytes_per_token_layer"):  # fmt: skip
+        args = [FLATCAKE, "emulate", "--mode", point.system, "--port", str(port), "--data-dir", str(data),
+                "--model", str(emu.model), "--gpu", emu.gpu, "--prefetch-policy", emu.prefetch_policy]  # fmt: skip
+        for name in ("hbm_bytes", "dram_bytes", "ssd_bytes", "scope_file_bytes"):
             args += [f"--{name.replace('_', '-')}", str(getattr(emu, name))]
+        if emu.scheduler:
+            args += ["--scheduler", emu.scheduler]
         if emu.agent_socket:
             args += ["--agent-socket", emu.agent_socket]
         logs.append(open(run_dir / "emulator.log", "wb"))  # noqa: SIM115 - closed below
         emulator = subprocess.Popen(args, stdout=logs[-1], stderr=subprocess.STDOUT, cwd=data)
         url = f"http://127.0.0.1:{port}"
         _wait(lambda: _http_ok(url + "/healthz"), emulator, "the emulator")
-        rc = run_locust(LoadgenConfig(host=url, trace=cfg.trace, qps=qps, system=system,
+        rc = run_locust(LoadgenConfig(host=url, trace=str(trace), qps=point.qps, system=point.label,
                                       results=str(run_dir / "results.jsonl"), csv_prefix=str(run_dir / "locust"),
-                                      limit=cfg.requests, max_output=cfg.max_output))  # fmt: skip
+                                      max_output=cfg.max_output))  # fmt: skip
         if rc not in (0, 1):  # 1: Locust saw failed requests, which the records show
             raise RuntimeError(f"locust exited with {rc}")
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
@@ -163,18 +243,40 @@ def run(cfg: E2EConfig, out: str | Path, log: Callable[[str], None] = print) -> 
     out = Path(out).resolve()  # the processes it starts run in their own directories
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
+    reqs = slices.select(cfg.trace, cfg.offset, cfg.requests, cfg.window_s)
+    trace = slices.write(reqs, out / "trace.jsonl")
+    native = slices.native_qps(reqs)
+    if cfg.time_scale:
+        if native <= 0:
+            raise ValueError("time_scale: the slice has no time span; give --qps instead")
+        rates = tuple(round(native / t, 4) for t in cfg.time_scale)
+    else:
+        rates = cfg.qps
+    model = preset(cfg.model)
+    emu = EmulatorConfig(model=cfg.model, gpu=cfg.gpu, prefetch_policy=cfg.prefetch_policy)
+    pages, longest = working_set(reqs, emu.page_tokens)
+    emu = cfg.sizing.apply(emu, pages, longest)
     meta = run_meta(
-        cfg.trace, cfg.requests, cfg.emulator.page_tokens, cfg.qps, cfg.systems,
+        str(trace), None, emu.page_tokens, rates, cfg.systems,
         context="local emulators on loopback (flatcake emulate)",
-        description="Each point starts cold. Hits are delivered hits: KV in HBM before prefill starts.",
+        description="Each point starts cold. Hits are delivered hits: KV in HBM before prefill starts. "
+                    f"GPU modelled: {cfg.model} on {cfg.gpu}; storage real, on this machine's disk.",
     )  # fmt: skip
-    meta["emulator"] = dataclasses.asdict(cfg.emulator)
+    meta.update({
+        "source_trace": cfg.trace, "offset": cfg.offset, "window_s": cfg.window_s, "native_qps": native,
+        "time_scale": list(cfg.time_scale) if cfg.time_scale else None, "repeats": cfg.repeats,
+        "model": cfg.model, "gpu": cfg.gpu, "calibration": model.calibration(cfg.gpu),
+        "prefetch_policy": cfg.prefetch_policy, "schedulers": list(cfg.schedulers),
+        "working_set_pages": pages, "longest_prompt_pages": longest, "sizing": dataclasses.asdict(cfg.sizing),
+        "emulator": dataclasses.asdict(emu),
+        "labels": {p.label: {"system": p.system, "scheduler": p.scheduler or "fcfs"} for p in points(cfg, rates)},
+    })  # fmt: skip
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    points = [(s, q) for s in cfg.systems for q in cfg.qps]
+    todo = points(cfg, rates)
     started = time.monotonic()
-    for i, (system, qps) in enumerate(points, 1):
-        log(f"[{i}/{len(points)}] {system} at {qps:g} QPS, {cfg.requests} requests "
-            f"({time.monotonic() - started:.0f}s elapsed)")  # fmt: skip
-        run_point(cfg, system, qps, out, work)
+    for i, point in enumerate(todo, 1):
+        log(f"[{i}/{len(todo)}] {point.label} at {point.qps:g} QPS, repeat {point.repeat + 1}/{cfg.repeats}, "
+            f"{len(reqs)} requests ({time.monotonic() - started:.0f}s elapsed)")  # fmt: skip
+        run_point(cfg, emu, trace, point, out, work)
     shutil.rmtree(work, ignore_errors=True)
     return R.write(out)

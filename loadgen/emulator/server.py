@@ -1,22 +1,26 @@
 """``flatcake emulate``: an inference server for benchmarking where no GPU is at hand.
 
-What is real: the KV storage. Every prompt page's KV (``layers x page_bytes`` of real bytes) is
-stored and restored through the storage under test: FlatCake's engine (placement, FC-MAS ordering,
-coalesced restore into a bounded window that waits when full), or the tiered baselines (DRAM LRU L2,
-SSD L3 log, a bounded host staging pool), with real I/O on this machine's disk.
+What is real: the KV storage. Every prompt page's KV (``layers x page_bytes`` of real bytes, the model
+preset's bytes per token per rank) is stored and restored through the storage under test: FlatCake's
+engine (placement, FC-MAS ordering, coalesced restore into a bounded window that waits when full), or
+the tiered baselines (an SGLang-HiCache-like host LRU tier over an SSD log), with real I/O on this
+machine's disk.
 
-What is modelled: the GPU. Prefill of the tokens not found in HBM costs ``tokens /
-prefill_tokens_per_s`` on one GPU that runs one prefill at a time; decode streams ``max_tokens``
-tokens at ``decode_tokens_per_s``. HBM is an LRU prefix cache of ``hbm_bytes``. The defaults are
-scaled for a 2-core test machine, not taken from a GPU: 100,000 prefill tokens/s (the order of an
-8B model's prefill on one H100) and 200 decode tokens/s.
+What is modelled: the GPU. With a model preset (``model``, ``gpu``; loadgen/models.py) a prefill of the
+tokens not in HBM costs the preset's FLOPs for that many new tokens after the cached ones; without
+one, ``tokens / prefill_tokens_per_s``. One GPU runs one prefill at a time; decode streams
+``max_tokens`` tokens at the preset's (or the given) per-token time. HBM is an LRU prefix cache of
+``hbm_bytes``.
 
-Hits are delivered hits: tokens whose KV is in HBM before prefill starts. In ``tiered`` mode SSD
-(L3) is read only by a prefetch started when the request is admitted, as SGLang HiCache does; it
-needs host staging for its tokens until the request's prefill starts, and when in-flight staging
-would exceed ``staging_tokens`` it is declined and the prefix recomputed (the paper's revocation);
-L3 pages found only at scheduling time are recomputed too. FlatCake restores whatever is on SSD when
-the request is scheduled, streaming into HBM through its bounded window, which waits instead.
+Hits are delivered hits: tokens whose KV is in HBM before prefill starts. ``tiered`` follows SGLang
+HiCache (loadgen/systems/hicache.py cites the code): at admission the span found in storage beyond the
+host tier is prefetched by one I/O thread in 128-page batches, unless the tokens already in flight
+reach half the host pool (then it is declined and retried at later scheduling passes); the FCFS
+scheduler skips a request whose prefetch may not stop yet under the stop policy (``best_effort``,
+``wait_complete``, ``timeout``; SGLang's default ``timeout``) and schedules later ones; what had not
+arrived when it stops is recomputed, as are pages that reached storage after admission. FlatCake
+restores whatever is stored when the request is scheduled, streaming into HBM through its bounded
+window, which waits instead; requests are ordered by FC-MAS (or FCFS, for the ablation).
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ import hashlib
 import itertools
 import json
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -41,6 +44,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from flatcake import metrics as M
+from flatcake.loadgen.models import ModelPreset, gpu_profile, preset
+from flatcake.loadgen.systems import hicache
 from flatcake.loadgen.systems.tiered import TieredStore
 from flatcake.node_agent import (
     SSD_THRESHOLD,
@@ -68,20 +73,24 @@ class EmulatorConfig:
     mode: str = "flatcake"
     data_dir: str = ".flatcake-emulator"
     agent_socket: str | None = None  # flatcake mode: use this node agent instead of an in-process engine
+    # A model preset sets the KV geometry (layers, page bytes) and the GPU's costs; without one the
+    # geometry and rates below are used as given.
+    model: str | None = None
+    gpu: str = "h200"
     page_tokens: int = 256
     layers: int = 4
     bytes_per_token_layer: int = 64  # a 256-token page is 16 KiB per layer
     hbm_bytes: int = 16 * MiB
-    dram_bytes: int = 64 * MiB  # FlatCake's DRAM pool, or the tiered L2
+    dram_bytes: int = 64 * MiB  # FlatCake's DRAM pool, or the tiered host tier (SGLang's host pool)
     ssd_bytes: int = 2048 * MiB  # FlatCake's file pool, or the tiered L3 log
     scope_file_bytes: int = 8 * MiB  # FlatCake: one session scope's file
-    staging_tokens: int = 32_768  # tiered: host staging for in-flight prefetches
-    prefill_tokens_per_s: float = 100_000.0
-    decode_tokens_per_s: float = 200.0
+    prefill_tokens_per_s: float = 100_000.0  # without a model preset
+    decode_tokens_per_s: float = 200.0  # without a model preset
     # flatcake only (the tiered modes are FCFS as SGLang schedules); None: the node agent's
     # scheduler.policy when connected to one, else mas
     scheduler: str | None = None
-    prefetchers: int = 2
+    prefetch_policy: str = hicache.DEFAULT_PREFETCH_POLICY  # tiered: SGLang's prefetch stop policy
+    prefetchers: int = 2  # flatcake: concurrent SSD prefetches
 
     @property
     def page_bytes(self) -> int:
@@ -91,13 +100,34 @@ class EmulatorConfig:
     def page_span(self) -> int:
         return self.layers * self.page_bytes
 
+    @property
+    def preset(self) -> ModelPreset | None:
+        return preset(self.model) if self.model else None
+
+    def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        p = self.preset
+        if p is not None:
+            return p.prefill_s(new_tokens, cached_tokens, self.gpu) if new_tokens else 0.0
+        return new_tokens / self.prefill_tokens_per_s
+
+    def decode_seconds_per_token(self) -> float:
+        p = self.preset
+        return p.decode_s_per_token(self.gpu) if p is not None else 1.0 / self.decode_tokens_per_s
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode: {self.mode!r} must be one of {MODES}")
+        p = self.preset  # an unknown model or GPU is refused here, naming the field
+        gpu_profile(self.gpu)
+        if p is not None:  # the preset's geometry, padded page-layers as the engine stores them
+            object.__setattr__(self, "layers", p.layers)
+            object.__setattr__(self, "page_tokens", p.page_tokens)
+            object.__setattr__(self, "bytes_per_token_layer", p.page_layer_bytes // p.page_tokens)
         if self.page_bytes % 4096:
             raise ValueError("page_tokens x bytes_per_token_layer must be a multiple of 4096")
         if self.scheduler is not None and self.scheduler not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler: {self.scheduler!r} must be one of {', '.join(SCHEDULER_POLICIES)}")
+        hicache.check_policy(self.prefetch_policy)
 
 
 def page_keys(tokens: Sequence[int], page_tokens: int) -> list[str]:
@@ -136,8 +166,9 @@ class Storage:
         root.mkdir(parents=True, exist_ok=True)
         self.engine: Engine | None = None
         self.tiered: TieredStore | None = None
-        self._lock = threading.Lock()  # TieredStore is single-threaded
-        self._kv = aligned_empty((cfg.layers, 1024, cfg.page_bytes))
+        # The bytes written for new pages: a few pages' worth, reused (their content is irrelevant).
+        chunk = max(1, min(64, (64 * MiB) // cfg.page_span))
+        self._kv = aligned_empty((cfg.layers, chunk, cfg.page_bytes))
         self._kv[...] = np.random.default_rng(0).integers(0, 256, size=self._kv.shape, dtype=np.uint8)
         if cfg.mode == "flatcake":
             if cfg.agent_socket:
@@ -147,13 +178,11 @@ class Storage:
             else:
                 self.engine = Engine(engine_config(cfg, root))
         elif cfg.mode in ("tiered", "dram"):
-            bucket = 64 * MiB
+            bucket = max(cfg.page_span, (64 * MiB) // cfg.page_span * cfg.page_span)
             self.tiered = TieredStore(root, layers=cfg.layers, page_bytes=cfg.page_bytes,
                                       dram_pages=max(1, cfg.dram_bytes // cfg.page_span), bucket_bytes=bucket,
-                                      buckets=cfg.ssd_bytes // bucket if cfg.mode == "tiered" else 0,
-                                      # The main job's published numbers were measured with this reader;
-                                      # moving the emulator to whole pages comes with its recalibration.
-                                      reader="page_layer")  # fmt: skip
+                                      buckets=-(-cfg.ssd_bytes // bucket) if cfg.mode == "tiered" else 0,
+                                      workers=4, reader="whole_page")  # fmt: skip
 
     def media(self, keys: list[str]) -> list[str]:
         """Medium of each page of the stored prefix of ``keys``."""
@@ -165,12 +194,12 @@ class Storage:
             self.engine.catalog.release(lease.id)
             return ["ssd" if loc.gva >= SSD_THRESHOLD else "dram" for loc in lease.locations]
         if self.tiered is not None:
-            with self._lock:
-                return self.tiered.media(keys)
+            return self.tiered.media(keys)
         return []
 
-    def restore(self, keys: list[str]) -> int:
-        """Bring pages to HBM (really read them); returns how many of the leading pages arrived."""
+    def restore(self, keys: list[str], promote: bool = False) -> int:
+        """Bring pages to HBM (really read them); returns how many of the leading pages arrived.
+        ``promote``: the tiered host tier keeps what was read from SSD (a finished SGLang prefetch)."""
         if not keys:
             return 0
         dest = np.empty((self.cfg.layers, len(keys), self.cfg.page_bytes), np.uint8)
@@ -182,13 +211,18 @@ class Storage:
                 return 0
             return min(missing) if missing else len(keys)
         if self.tiered is not None:
-            with self._lock:
-                self.tiered.restore(keys, dest)
-            return len(keys)
+            media = self.tiered.media(keys)
+            if self.tiered.restore(keys[: len(media)], dest):
+                return 0  # a page went missing during the read: the batch is not used
+            if promote:
+                self.tiered.promote(keys[: len(media)], dest)
+            return len(media)
         return 0
 
-    def store(self, keys: list[str], parent: str | None, context_tokens: int, refcount: int) -> None:
-        """Write-through of newly computed pages (in the background; not on the TTFT path)."""
+    def store(self, keys: list[str], parent: str | None, context_tokens: int, refcount: int) -> list[str]:
+        """Write-through of newly computed pages (in the background; not on the TTFT path). Returns
+        where each stored page was placed (FlatCake), for placement accuracy."""
+        placed: list[str] = []
         for lo in range(0, len(keys), self._kv.shape[1]):
             chunk = keys[lo : lo + self._kv.shape[1]]
             kv = aligned_empty((self.cfg.layers, len(chunk), self.cfg.page_bytes))  # contiguous, as put wants
@@ -200,11 +234,12 @@ class Storage:
                     self.engine.put(chunk, kv, hints)
                 except (OSError, RuntimeError, ValueError) as exc:  # pool full: the pages stay uncached
                     log.warning("store failed: %s", exc)
-                    return
+                    return placed
+                placed += self.media(chunk)
                 parent = chunk[-1]
             elif self.tiered is not None:
-                with self._lock:
-                    self.tiered.put(chunk, kv)
+                self.tiered.put(chunk, kv)
+        return placed
 
     def close(self) -> None:
         if self.engine is not None:
@@ -247,21 +282,33 @@ class Emulator:
         # system prompt or a fork point has several; a session's own history has one).
         self.children: dict[str | None, set[str]] = {}
         self.sched = Scheduler(scheduler_policy(cfg, self.storage.engine))
+        # Tiered (SGLang HiCache): the FCFS waiting queue, the tokens in flight in prefetches
+        # (prefetch_tokens_occupied) against half the host pool, and the one prefetch I/O thread.
+        self.sglang_like = cfg.mode in ("tiered", "dram")
+        self.waiting: list[_Job] = []
         self.staging_tokens = 0
+        self.host_pool_tokens = max(1, cfg.dram_bytes // cfg.page_span) * cfg.page_tokens
+        self._io_queue: asyncio.Queue[_Job] | None = None
+        # Placement accuracy (FlatCake): where each stored page went, and which were asked for again.
+        self.placed: dict[str, str] = {}
+        self.reused: set[str] = set()
         self._cond: asyncio.Condition | None = None
         self._jobs: dict[str, _Job] = {}
         self._ids = itertools.count()
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="emulator-io")
+        self._prefetch_io = ThreadPoolExecutor(1, thread_name_prefix="emulator-prefetch")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="emulator-store")
         self._tasks: list[asyncio.Task[None]] = []
         self.registry = CollectorRegistry()
         m = {n: f(n, self.registry) for n, f in (
             ("flatcake_requests", M.counter), ("flatcake_prompt_tokens", M.counter),
             ("flatcake_hit_tokens", M.counter), ("flatcake_miss_tokens", M.counter),
-            ("flatcake_prefetch_declined", M.counter), ("flatcake_prefetch_seconds", M.histogram),
+            ("flatcake_prefetch_declined", M.counter), ("flatcake_prefetch_retries", M.counter),
+            ("flatcake_prefetch_seconds", M.histogram),
             ("flatcake_queue_depth", M.gauge), ("flatcake_queue_wait_seconds", M.histogram),
             ("flatcake_staging_tokens", M.gauge), ("flatcake_server_ttft_seconds", M.histogram),
-            ("flatcake_staging_bytes", M.gauge),
+            ("flatcake_staging_bytes", M.gauge), ("flatcake_placed_pages", M.counter),
+            ("flatcake_placed_reused_pages", M.counter),
         )}  # fmt: skip
         self.m: dict[str, Any] = m
         # Series exist from the start (at 0), so dashboards and alerts see them before the first event.
@@ -269,6 +316,7 @@ class Emulator:
             "flatcake_requests",
             "flatcake_prompt_tokens",
             "flatcake_prefetch_declined",
+            "flatcake_prefetch_retries",
             "flatcake_prefetch_seconds",
             "flatcake_staging_tokens",
             "flatcake_staging_bytes",
@@ -284,12 +332,20 @@ class Emulator:
             gauge.labels(cfg.mode).set_function(lambda: engine.windows.in_use_bytes)
         for medium in ("hbm", "dram", "ssd"):
             m["flatcake_hit_tokens"].labels(cfg.mode, medium)
+        for medium in ("dram", "ssd"):
+            m["flatcake_placed_pages"].labels(cfg.mode, medium)
+            m["flatcake_placed_reused_pages"].labels(cfg.mode, medium)
         for reason in ("uncached", "declined", "not_prefetched", "failed"):
             m["flatcake_miss_tokens"].labels(cfg.mode, reason)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         self._cond = asyncio.Condition()
+        if self.sglang_like:
+            self._io_queue = asyncio.Queue()
+            self._tasks.append(asyncio.create_task(self._tiered_gpu_loop()))
+            self._tasks.append(asyncio.create_task(self._tiered_prefetch_loop()))
+            return
         self._tasks.append(asyncio.create_task(self._gpu_loop()))
         for _ in range(self.cfg.prefetchers):
             self._tasks.append(asyncio.create_task(self._prefetch_loop()))
@@ -301,6 +357,7 @@ class Emulator:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._writer.shutdown(wait=True)
+        self._prefetch_io.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self.storage.close()
 
@@ -315,23 +372,39 @@ class Emulator:
         cfg = self.cfg
         out = Outcome(len(tokens), arrival=time.monotonic())
         keys = page_keys(tokens, cfg.page_tokens)
+        self._mark_reused(keys)
         hbm = self._hbm_prefix(keys)
         media = await asyncio.get_running_loop().run_in_executor(self._pool, self.storage.media, keys[hbm:])
         n_dram = media.index("ssd") if "ssd" in media else len(media)
         ssd_keys = keys[hbm + n_dram : hbm + len(media)]
         job = _Job(next(self._ids), keys, ssd_keys, out)
-        req = Request(str(job.id), out.arrival, ssd_bytes=len(ssd_keys) * cfg.page_span)
-        self._jobs[req.id] = job
         async with self._cond:
-            out.queue = self.sched.arrive(req)
-            self._depths()
+            if self.sglang_like:
+                self._try_prefetch(job)
+                self.waiting.append(job)
+                self._tiered_depths()
+            else:
+                req = Request(str(job.id), out.arrival, ssd_bytes=len(ssd_keys) * cfg.page_span)
+                self._jobs[req.id] = job
+                out.queue = self.sched.arrive(req)
+                self._depths()
             self._cond.notify_all()
         await job.done.wait()
         return out
 
+    def _mark_reused(self, keys: list[str]) -> None:
+        for key in keys:
+            medium = self.placed.get(key)
+            if medium is not None and key not in self.reused:
+                self.reused.add(key)
+                self.m["flatcake_placed_reused_pages"].labels(self.cfg.mode, medium).inc()
+
     def _depths(self) -> None:
         for queue, depth in self.sched.depths().items():
             self.m["flatcake_queue_depth"].labels(self.cfg.mode, queue).set(depth)
+
+    def _tiered_depths(self) -> None:
+        self.m["flatcake_queue_depth"].labels(self.cfg.mode, "waiting").set(len(self.waiting))
 
     def _hbm_prefix(self, keys: list[str]) -> int:
         n = 0
@@ -365,22 +438,12 @@ class Emulator:
                 del self.hbm[key]
                 excess -= 1
 
-    def _staging_reserve(self, pages: int) -> bool:
-        tokens = pages * self.cfg.page_tokens
-        if self.staging_tokens + tokens > self.cfg.staging_tokens:
-            self.m["flatcake_prefetch_declined"].labels(self.cfg.mode).inc()
-            return False
-        self._staging_add(tokens)
-        return True
-
-    def _staging_release(self, pages: int) -> None:
-        self._staging_add(-pages * self.cfg.page_tokens)
-
     def _staging_add(self, tokens: int) -> None:
         self.staging_tokens += tokens
         self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
         self.m["flatcake_staging_bytes"].labels(self.cfg.mode).set(self.staging_tokens * self._token_bytes)
 
+    # ---- FlatCake: FC-MAS (or FCFS) queues, prefetches that wait for window space ---------------
     async def _prefetch_loop(self) -> None:
         """SSD prefetches, in the scheduler's order (HRRN by volume for FlatCake, arrival for FCFS)."""
         assert self._cond is not None
@@ -394,29 +457,24 @@ class Emulator:
                         await self._cond.wait()
             job = self._jobs[req.id]
             started = time.monotonic()
-            # Tiered: host staging holds the pages from now until the request's prefill; none left
-            # means the prefetch is declined and the prefix recomputed. FlatCake streams into HBM
-            # through its bounded window, which waits when full and never declines.
-            if self.cfg.mode != "tiered" or self._staging_reserve(len(job.ssd_keys)):
-                job.staged = len(job.ssd_keys) if self.cfg.mode == "tiered" else 0
-                got = await loop.run_in_executor(self._pool, self.storage.restore, job.ssd_keys)
-                for key in job.ssd_keys[:got]:
-                    job.prefetched[key] = "ssd"
-                self._pin(job.ssd_keys[:got], +1)
-                self._hbm_insert(job.ssd_keys[:got])
-            else:
-                job.declined = len(job.ssd_keys)
+            # FlatCake streams into HBM through its bounded window, which waits when full and never declines.
+            got = await loop.run_in_executor(self._pool, self.storage.restore, job.ssd_keys)
+            self._prefetched(job, job.ssd_keys[:got])
             self.m["flatcake_prefetch_seconds"].labels(self.cfg.mode).observe(time.monotonic() - started)
             async with self._cond:
                 self.sched.prefetch_done(req.id)
                 self._depths()
                 self._cond.notify_all()
 
+    def _prefetched(self, job: _Job, keys: list[str]) -> None:
+        for key in keys:
+            job.prefetched[key] = "ssd"
+        self._pin(keys, +1)
+        self._hbm_insert(keys)
+
     async def _gpu_loop(self) -> None:
         """One GPU: prefills one request at a time, in the scheduler's dispatch order."""
         assert self._cond is not None
-        loop = asyncio.get_running_loop()
-        cfg = self.cfg
         while True:
             async with self._cond:
                 req = None
@@ -425,57 +483,156 @@ class Emulator:
                     if req is None:
                         await self._cond.wait()
                 self._depths()
-            job = self._jobs.pop(req.id)
-            out = job.outcome
-            out.prefill_start = time.monotonic()
-            self.m["flatcake_queue_wait_seconds"].labels(cfg.mode, out.queue).observe(out.prefill_start - out.arrival)
-            keys = job.keys
-            hits = out.hit_pages
-            cached = 0
-            # Walk the prefix: pages in HBM (resident, or prefetched for this request), then pages
-            # looked up again in storage (stored since arrival count), then HBM again, and so on.
-            while True:
-                while cached < len(keys) and keys[cached] in self.hbm:
-                    hits[job.prefetched.get(keys[cached], "hbm")] += 1
-                    cached += 1
-                if cached == len(keys):
+            await self._run_prefill(self._jobs.pop(req.id))
+
+    # ---- tiered: SGLang HiCache's prefetch and scheduling rules ----------------------------------
+    def _try_prefetch(self, job: _Job) -> None:
+        """Start the job's storage prefetch, or decline it (retried at later passes) while the tokens
+        in flight reach half the host pool. Called under the condition's lock."""
+        tokens = len(job.ssd_keys) * self.cfg.page_tokens
+        job.retry = False
+        if self.cfg.mode != "tiered" or not hicache.worth_prefetching(tokens):
+            return
+        if hicache.rate_limited(self.staging_tokens, self.host_pool_tokens):
+            if job.attempts:
+                self.m["flatcake_prefetch_retries"].labels(self.cfg.mode).inc()
+            else:
+                self.m["flatcake_prefetch_declined"].labels(self.cfg.mode).inc()
+            job.attempts += 1
+            job.retry = job.attempts <= hicache.RETRY_MAX_ATTEMPTS
+            return
+        if job.attempts:
+            self.m["flatcake_prefetch_retries"].labels(self.cfg.mode).inc()
+        job.op = hicache.Prefetch(pages=len(job.ssd_keys))
+        job.staged = tokens
+        self._staging_add(tokens)
+        assert self._io_queue is not None
+        self._io_queue.put_nowait(job)
+
+    async def _tiered_prefetch_loop(self) -> None:
+        """SGLang's prefetch I/O thread: one operation at a time, in 128-page batches, stopping between
+        batches once the scheduler has terminated it. Arrived pages are held in HBM for the request
+        (SGLang holds them in its host pool until the request loads them) and join the host tier."""
+        assert self._cond is not None and self._io_queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            job = await self._io_queue.get()
+            op = job.op
+            assert op is not None
+            started = time.monotonic()
+            for lo in range(0, op.pages, hicache.STORAGE_BATCH_PAGES):
+                if op.terminated:
                     break
-                late = await loop.run_in_executor(self._pool, self.storage.media, keys[cached:])
-                cut = cfg.mode == "tiered" and "ssd" in late
-                if cut:
-                    # A tiered cache reads L3 only through a prefetch started at admission; pages
-                    # that reached SSD since are recomputed. FlatCake restores them now,
-                    # layer-pipelined through its window.
+                batch = job.ssd_keys[lo : lo + hicache.STORAGE_BATCH_PAGES]
+                got = await loop.run_in_executor(self._prefetch_io, self.storage.restore, batch, True)
+                async with self._cond:
+                    if not op.terminated:  # a stopped prefetch's late pages are not the request's
+                        self._prefetched(job, batch[:got])
+                        op.completed += got
+                    self._cond.notify_all()
+                if got < len(batch):
+                    break
+            self.m["flatcake_prefetch_seconds"].labels(self.cfg.mode).observe(time.monotonic() - started)
+            async with self._cond:
+                op.finished = True
+                self._cond.notify_all()
+
+    def _next_tiered(self, now: float) -> tuple[_Job | None, float | None]:
+        """One scheduling pass over the FCFS waiting queue: retry declined prefetches, skip requests
+        whose prefetch may not stop yet, and take the first that may run. Returns it, or the time
+        of the next timeout deadline to wake at."""
+        wake: float | None = None
+        pt = self.cfg.page_tokens
+        for job in self.waiting:
+            if job.retry:
+                self._try_prefetch(job)
+            op = job.op
+            if op is not None and not op.terminated:
+                if not op.may_stop(self.cfg.prefetch_policy, now, pt):
+                    deadline = op.deadline(pt) if self.cfg.prefetch_policy == "timeout" else None
+                    if deadline is not None:
+                        wake = deadline if wake is None else min(wake, deadline)
+                    continue
+                op.terminated = True
+            self.waiting.remove(job)
+            return job, None
+        return None, wake
+
+    async def _tiered_gpu_loop(self) -> None:
+        assert self._cond is not None
+        while True:
+            async with self._cond:
+                while True:
+                    job, wake = self._next_tiered(time.monotonic())
+                    if job is not None:
+                        break
+                    timeout = None if wake is None else max(0.0, wake - time.monotonic()) + 1e-3
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._cond.wait(), timeout)
+                if job.staged:  # the prefetch is handled: its tokens leave the in-flight count
+                    self._staging_add(-job.staged)
+                    job.staged = 0
+                if job.retry or (job.attempts and job.op is None):
+                    job.declined = len(job.ssd_keys)  # scheduled before any retry got capacity
+                self._tiered_depths()
+            await self._run_prefill(job)
+
+    # ---- the prefill itself, for every mode ------------------------------------------------------
+    async def _run_prefill(self, job: _Job) -> None:
+        loop = asyncio.get_running_loop()
+        cfg = self.cfg
+        out = job.outcome
+        out.prefill_start = time.monotonic()
+        self.m["flatcake_queue_wait_seconds"].labels(cfg.mode, out.queue).observe(out.prefill_start - out.arrival)
+        keys = job.keys
+        hits = out.hit_pages
+        cached = 0
+        prefetched = dict(job.prefetched)
+        # Walk the prefix: pages in HBM (resident, or prefetched for this request), then pages
+        # looked up again in storage (stored since arrival count), then HBM again, and so on.
+        while True:
+            while cached < len(keys) and keys[cached] in self.hbm:
+                hits[prefetched.get(keys[cached], "hbm")] += 1
+                cached += 1
+            if cached == len(keys):
+                break
+            late = await loop.run_in_executor(self._pool, self.storage.media, keys[cached:])
+            cut = cfg.mode == "tiered" and "ssd" in late
+            if cut:
+                # SGLang reads storage only through a prefetch; pages not brought by it (declined,
+                # stopped early, or stored since admission) are recomputed. FlatCake restores them
+                # now, layer-pipelined through its window.
+                if job.declined:
+                    job.declined = min(job.declined, len(late) - late.index("ssd"))
+                else:
                     out.unprefetched_pages += len(late) - late.index("ssd")
-                    late = late[: late.index("ssd")]
-                got = await loop.run_in_executor(self._pool, self.storage.restore, keys[cached : cached + len(late)])
-                for medium in late[:got]:
-                    hits[medium] += 1
-                out.failed_pages += len(late) - got
-                cached += got
-                if cut or not late or got < len(late):
-                    break
-            self._touch(keys[:cached])
-            out.declined_pages += job.declined
-            miss_tokens = out.prompt_tokens - cached * cfg.page_tokens
-            await asyncio.sleep(miss_tokens / cfg.prefill_tokens_per_s)
-            if job.staged:
-                self._staging_release(job.staged)  # the prefix is on the GPU now
-            self._pin(list(job.prefetched), -1)
-            self._hbm_insert(keys)  # the whole prompt is in HBM after prefill
-            new = keys[cached:]
-            if new:
-                parent = keys[cached - 1] if cached else None
-                kids = self.children.setdefault(parent, set()) if parent else {new[0]}
-                kids.add(new[0])
-                # New pages stay in HBM until their write-back is done (HiCache evicts only backed-up
-                # pages), so a next turn arriving meanwhile still finds them.
-                self._pin(new, +1)
-                done = self._writer.submit(self._store, new, parent, out.prompt_tokens, len(kids))
-                done.add_done_callback(self._unpin_later(loop, new))
-            out.first_token = time.monotonic()
-            self._count(out, miss_tokens)
-            job.done.set()
+                late = late[: late.index("ssd")]
+            got = await loop.run_in_executor(self._pool, self.storage.restore, keys[cached : cached + len(late)])
+            for medium in late[:got]:
+                hits[medium] += 1
+            out.failed_pages += len(late) - got
+            cached += got
+            if cut or not late or got < len(late):
+                break
+        self._touch(keys[:cached])
+        out.declined_pages += job.declined
+        miss_tokens = out.prompt_tokens - cached * cfg.page_tokens
+        await asyncio.sleep(cfg.prefill_seconds(miss_tokens, cached * cfg.page_tokens))
+        self._pin(list(job.prefetched), -1)
+        self._hbm_insert(keys)  # the whole prompt is in HBM after prefill
+        new = keys[cached:]
+        if new:
+            parent = keys[cached - 1] if cached else None
+            kids = self.children.setdefault(parent, set()) if parent else {new[0]}
+            kids.add(new[0])
+            # New pages stay in HBM until their write-back is done (HiCache evicts only backed-up
+            # pages), so a next turn arriving meanwhile still finds them.
+            self._pin(new, +1)
+            done = self._writer.submit(self._store, new, parent, out.prompt_tokens, len(kids))
+            done.add_done_callback(self._unpin_later(loop, new))
+        out.first_token = time.monotonic()
+        self._count(out, miss_tokens)
+        job.done.set()
 
     def _unpin_later(self, loop: asyncio.AbstractEventLoop, keys: list[str]) -> Callable[[Future[None]], None]:
         """A done-callback (run on the writer thread) that unpins ``keys`` on the event loop."""
@@ -487,9 +644,14 @@ class Emulator:
 
     def _store(self, keys: list[str], parent: str | None, context_tokens: int, refcount: int) -> None:
         try:
-            self.storage.store(keys, parent, context_tokens, refcount)
+            placed = self.storage.store(keys, parent, context_tokens, refcount)
         except Exception:  # a background write must not die silently
             log.exception("storing %d pages failed", len(keys))
+            return
+        for key, medium in zip(keys, placed, strict=False):
+            if key not in self.placed:
+                self.placed[key] = medium
+                self.m["flatcake_placed_pages"].labels(self.cfg.mode, medium).inc()
 
     def _count(self, out: Outcome, miss_tokens: int) -> None:
         mode, pt = self.cfg.mode, self.cfg.page_tokens
@@ -506,8 +668,9 @@ class Emulator:
         self.m["flatcake_server_ttft_seconds"].labels(mode).observe(out.first_token - out.arrival)
 
     async def decode(self, n: int) -> AsyncIterator[int]:
+        step = self.cfg.decode_seconds_per_token()
         for i in range(n):
-            await asyncio.sleep(1.0 / self.cfg.decode_tokens_per_s)
+            await asyncio.sleep(step)
             yield i
 
 
@@ -518,7 +681,10 @@ class _Job:
     ssd_keys: list[str]  # found on SSD at arrival: prefetched in the background
     outcome: Outcome
     declined: int = 0
-    staged: int = 0  # tiered: pages holding host staging until prefill
+    staged: int = 0  # tiered: tokens counted in flight until the request is scheduled
+    op: hicache.Prefetch | None = None  # tiered: its storage prefetch
+    attempts: int = 0  # tiered: declined prefetch attempts
+    retry: bool = False  # tiered: declined, to be retried at the next scheduling pass
     prefetched: dict[str, str] = field(default_factory=dict)  # key -> medium it was prefetched from
     done: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -1,9 +1,12 @@
 """``flatcake report``: per-request records of replay runs -> report.json, a Markdown/HTML page and plots.
 
-Input: a directory of runs, each ``<system>/qps-<q>/results*.jsonl`` (one JSON line per request, written
-by the Locust replay) with an optional ``meta.json`` (the trace ideal, the system's settings). Output,
-the shape of the paper's Figures 6 and 7: mean and P50 TTFT against QPS per system, throughput against
-QPS, delivered hit rate against QPS with the trace's ideal as a line, and hit composition by medium.
+Input: a directory of runs, each ``<system>/qps-<q>/results*.jsonl`` or, with repeats,
+``<system>/qps-<q>/rep-<i>/results*.jsonl`` (one JSON line per request, written by the Locust replay),
+with an optional ``meta.json`` (the trace ideal, the system's settings) and, per run, the emulator's
+``emulator.prom`` (placement counters). Output, the shape of the paper's Figures 6 and 7: mean and P50
+TTFT against QPS per system, throughput against QPS, delivered hit rate against QPS with the trace's
+ideal as a line, and hit composition by medium; with repeats, each headline number as
+{min, median, max}, and a verdict per rate that says "within noise" where two systems' spreads overlap.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from prometheus_client.parser import text_string_to_metric_families
 
 from flatcake.loadgen.report import plots
 
@@ -43,6 +47,78 @@ def summarize_run(records: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def saturation(records: list[dict[str, Any]]) -> str | None:
+    """Why a run was past capacity, or None: requests failed, or the backlog left when the last
+    request arrived took more than half the arrival window to clear (work arrived faster than it was
+    done, so the queue was still growing). Such a point's numbers depend on how long it ran, so the
+    report flags them instead of printing them as if they were fine."""
+    if not records:
+        return None
+    failed = sum(1 for r in records if not r["ok"])
+    if failed:
+        return f"{failed} of {len(records)} requests failed"
+    ok = sorted(records, key=lambda r: r["sent"])
+    span = ok[-1]["sent"] - ok[0]["sent"]
+    drain = max(r["sent"] + r["ttft_s"] for r in ok) - ok[-1]["sent"]
+    if drain > max(1.0, 0.5 * span):
+        return f"backlog: last first token {drain:.1f} s after the last arrival (arrivals spanned {span:.1f} s)"
+    return None
+
+
+def placement(prom: Path) -> dict[str, Any] | None:
+    """Placement accuracy from an emulator's counters: pages placed per medium and the share of them
+    a later prompt asked for again."""
+    if not prom.exists():
+        return None
+    placed: dict[str, float] = {}
+    reused: dict[str, float] = {}
+    for family in text_string_to_metric_families(prom.read_text()):
+        for sample in family.samples:
+            if sample.name == "flatcake_placed_pages_total":
+                placed[sample.labels["medium"]] = sample.value
+            elif sample.name == "flatcake_placed_reused_pages_total":
+                reused[sample.labels["medium"]] = sample.value
+    if not any(placed.values()):
+        return None
+    return {
+        medium: {"placed": int(placed.get(medium, 0)), "reused": int(reused.get(medium, 0)),
+                 "reused_share": reused.get(medium, 0) / placed[medium] if placed.get(medium) else None}
+        for medium in ("dram", "ssd")
+    }  # fmt: skip
+
+
+SPREAD_FIELDS = ("delivered_hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "throughput_tokens_per_s")
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def summarize_point(reps: list[tuple[list[dict[str, Any]], Path]]) -> dict[str, Any]:
+    """One (system, rate) point over its repeats: the median repeat's fields, the spread of the
+    headline ones, the DRAM share of hits, placement accuracy and saturation."""
+    runs = [summarize_run(records) for records, _ in reps]
+    numeric = [k for k, v in runs[0].items() if isinstance(v, int | float)]
+    out: dict[str, Any] = {**runs[0], **{k: statistics.median(r[k] for r in runs) for k in numeric}}
+    out["hit_composition"] = {m: statistics.median(r["hit_composition"][m] for r in runs) for m in MEDIA}
+    out["repeats"] = len(runs)
+    out["spread"] = {f: _spread([r[f] for r in runs]) for f in SPREAD_FIELDS}
+    hits = [sum(r["hit_composition"].values()) for r in runs]
+    out["dram_hit_share"] = statistics.median(
+        r["hit_composition"]["dram"] / h if h else 0.0 for r, h in zip(runs, hits, strict=True)
+    )
+    reasons = [why for records, _ in reps if (why := saturation(records))]
+    out["saturated"] = bool(reasons)
+    out["saturation"] = reasons
+    placements = [p for _, run in reps if (p := placement(run / "emulator.prom"))]
+    out["placement"] = placements[len(placements) // 2] if placements else None
+    return out
+
+
+def _records(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for f in sorted(run.glob("results*.jsonl")) for line in f.read_text().splitlines()]
+
+
 def collect(runs_dir: str | Path) -> dict[str, Any]:
     root = Path(runs_dir)
     systems: dict[str, dict[str, Any]] = {}
@@ -50,14 +126,61 @@ def collect(runs_dir: str | Path) -> dict[str, Any]:
     if (root / "meta.json").exists():
         meta = json.loads((root / "meta.json").read_text())
     for run in sorted(root.glob("*/qps-*")):
-        records = [json.loads(line) for f in sorted(run.glob("results*.jsonl")) for line in f.read_text().splitlines()]
-        if not records:
+        reps = [(records, d) for d in [run, *sorted(run.glob("rep-*"))] if (records := _records(d))]
+        if not reps:
             continue
         qps = float(run.name.removeprefix("qps-"))
-        systems.setdefault(run.parent.name, {})[f"{qps:g}"] = {"qps": qps, **summarize_run(records)}
+        systems.setdefault(run.parent.name, {})[f"{qps:g}"] = {"qps": qps, **summarize_point(reps)}
     if not systems:
-        raise ValueError(f"{root}: no runs found (expected <system>/qps-<q>/results*.jsonl)")
-    return {"meta": meta, "systems": systems}
+        raise ValueError(f"{root}: no runs found (expected <system>/qps-<q>/[rep-<i>/]results*.jsonl)")
+    labels = meta.get("labels", {})
+    summary = [
+        {"system": labels.get(name, {}).get("system", name), "scheduler": labels.get(name, {}).get("scheduler"),
+         "label": name, "qps": r["qps"], "repeats": r["repeats"],
+         **{f: r["spread"][f] for f in ("delivered_hit_rate", "ttft_mean_s", "ttft_p99_s")},
+         "dram_hit_share": r["dram_hit_share"], "saturated": r["saturated"]}
+        for name, runs in systems.items() for r in sorted(runs.values(), key=lambda r: r["qps"])
+    ]  # fmt: skip
+    return {
+        "meta": meta, "systems": systems, "summary": summary, "verdicts": verdicts(systems),
+        "ideal_hit_rate": meta.get("ideal_hit_rate_pages"), "model": meta.get("model"),
+        "calibration": meta.get("calibration"),
+    }  # fmt: skip
+
+
+def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
+    return a["min"] <= b["max"] and b["min"] <= a["max"]
+
+
+def verdicts(systems: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per rate comparing the systems' delivered hits and mean TTFT; where two spreads
+    overlap the line says "within noise" rather than naming a winner."""
+    lines = []
+    rates = sorted({r["qps"] for runs in systems.values() for r in runs.values()})
+
+    def fmt_s(v: float) -> str:
+        return f"{v:.2f} s"
+
+    def fmt_pct(v: float) -> str:
+        return f"{100 * v:.1f}%"
+
+    for q in rates:
+        at = {name: runs[f"{q:g}"] for name, runs in systems.items() if f"{q:g}" in runs}
+        if len(at) < 2:
+            continue
+        for field, word, better in (("ttft_mean_s", "mean TTFT", min), ("delivered_hit_rate", "delivered hits", max)):
+            best = better(at, key=lambda n: at[n]["spread"][field]["median"])
+            fmt = fmt_s if field == "ttft_mean_s" else fmt_pct
+            parts = []
+            for name, r in at.items():
+                if name == best:
+                    continue
+                noisy = _overlap(at[best]["spread"][field], r["spread"][field]) and r["repeats"] > 1
+                parts.append(f"{name} {fmt(r['spread'][field]['median'])}" + (" (within noise)" if noisy else ""))
+            sat = [n for n, r in at.items() if r["saturated"]]
+            lines.append(f"{q:g} QPS, {word}: {best} {fmt(at[best]['spread'][field]['median'])} vs " + ", ".join(parts)
+                         + (f"; saturated: {', '.join(sat)}" if sat else ""))  # fmt: skip
+    return lines
 
 
 def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
@@ -90,7 +213,8 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
         ax.plot(*series(s, "delivered_hit_rate", 100), marker="o", label=s)
     ideal = report["meta"].get("ideal_hit_rate_pages")
     if ideal is not None:
-        ax.axhline(ideal * 100, linestyle="--", color="gray", label="trace ideal (256-token pages)")
+        pages = report["meta"].get("page_tokens", 256)
+        ax.axhline(ideal * 100, linestyle="--", color="gray", label=f"trace ideal ({pages}-token pages)")
     ax.set_ylim(0, 100)
     plots.label(ax, "QPS", "delivered hit rate (%)", "delivered hit rate", legend=True)
     save(fig, "hit_rate.png")
@@ -129,17 +253,28 @@ def write(runs_dir: str | Path, out_dir: str | Path | None = None, context: str 
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = [f"{'system':<9} {'QPS':>5} {'reqs':>5} {'err':>4} {'mean TTFT':>10} {'P50 TTFT':>9} "
-             f"{'hit %':>6} {'hbm':>5} {'dram':>5} {'ssd':>5} {'tok/s':>8}"]  # fmt: skip
+    lines = [f"{'system':<14} {'QPS':>5} {'reps':>4} {'reqs':>5} {'err':>4} {'mean TTFT (min-max)':>22} "
+             f"{'P99 TTFT':>9} {'hit % (min-max)':>18} {'hbm':>5} {'dram':>5} {'ssd':>5} {'tok/s':>8}"]  # fmt: skip
     for name, runs in report["systems"].items():
         for r in sorted(runs.values(), key=lambda r: r["qps"]):
             c = r["hit_composition"]
+            t, h = r["spread"]["ttft_mean_s"], r["spread"]["delivered_hit_rate"]
             lines.append(
-                f"{name:<9} {r['qps']:>5g} {r['requests']:>5} {r['errors']:>4} {r['ttft_mean_s']:>10.3f} "
-                f"{r['ttft_p50_s']:>9.3f} {100 * r['delivered_hit_rate']:>6.1f} {100 * c['hbm']:>5.1f} "
+                f"{name:<14} {r['qps']:>5g} {r['repeats']:>4} {r['requests']:>5} {r['errors']:>4} "
+                f"{t['median']:>8.3f} ({t['min']:.3f}-{t['max']:.3f}) {r['ttft_p99_s']:>9.3f} "
+                f"{100 * h['median']:>6.1f} ({100 * h['min']:.1f}-{100 * h['max']:.1f}) {100 * c['hbm']:>5.1f} "
                 f"{100 * c['dram']:>5.1f} {100 * c['ssd']:>5.1f} {r['throughput_tokens_per_s']:>8.0f}"
+                f"  {'SATURATED' if r['saturated'] else ''}"
             )
     ideal = report["meta"].get("ideal_hit_rate_pages")
     if ideal is not None:
-        lines.append(f"trace ideal with 256-token pages: {100 * ideal:.1f}%")
+        lines.append(f"trace ideal with {report['meta'].get('page_tokens', 256)}-token pages: {100 * ideal:.1f}%")
+    lines += report.get("verdicts", [])
+    for name, runs in report["systems"].items():
+        for r in sorted(runs.values(), key=lambda r: r["qps"]):
+            p = r.get("placement")
+            if p:
+                lines.append(f"placement {name} {r['qps']:g} QPS: " + "; ".join(
+                    f"{m} {v['placed']} pages placed, {100 * (v['reused_share'] or 0):.0f}% reused"
+                    for m, v in p.items()) + f"; DRAM served {100 * r['dram_hit_share']:.1f}% of hits")  # fmt: skip
     return "\n".join(lines)

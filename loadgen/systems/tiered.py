@@ -10,6 +10,7 @@ page-layer: the fragmented access the paper measures, kept as ``tiered_naive``).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,9 @@ READERS = ("whole_page", "page_layer")
 
 
 class TieredStore:
+    """Safe to use from several threads, as SGLang's storage threads use a backend: an index lock is held
+    only to look up, reserve and publish, never across I/O, so reads never wait for writes."""
+
     def __init__(
         self,
         directory: str | Path,
@@ -52,8 +56,11 @@ class TieredStore:
         self.l2: OrderedDict[Key, Array] = OrderedDict()
         self.l3: dict[Key, tuple[int, int]] = {}  # key -> (bucket, offset)
         self._bucket_keys: list[list[Key]] = [[] for _ in range(buckets)]
+        # A bucket's generation moves on when it is reclaimed: a write reserved before that must not
+        # publish into the reused space.
+        self._bucket_gen = [0] * buckets
         self._bucket, self._cursor = 0, 0
-        self._write_buf = aligned_empty(self.page_span)
+        self._lock = threading.Lock()
         self.counters = RestoreCounters()
         self.reclaimed_buckets = 0
         self.invalidated_pages = 0
@@ -61,24 +68,42 @@ class TieredStore:
 
     def put(self, keys: Sequence[Key], kv: Array) -> None:
         """New pages always enter DRAM; whatever falls off the LRU end goes to the SSD log."""
-        for i, key in enumerate(keys):
-            if key in self.l2:
-                self.l2.move_to_end(key)
-                continue
-            self.l2[key] = np.ascontiguousarray(kv[:, i])
-            while len(self.l2) > self.dram_pages:
-                self._evict()
+        self._insert(keys, [np.ascontiguousarray(kv[:, i]) for i in range(len(keys))])
+
+    def promote(self, keys: Sequence[Key], pages: Array) -> None:
+        """Pages read back from SSD enter DRAM (SGLang inserts a finished prefetch into its host tier);
+        they are still on SSD, so evicting them again costs no write."""
+        self._insert(keys, [np.ascontiguousarray(pages[:, i]) for i in range(len(keys))])
+
+    def _insert(self, keys: Sequence[Key], pages: list[Array]) -> None:
+        for key, page in zip(keys, pages, strict=True):
+            with self._lock:
+                if key in self.l2:
+                    self.l2.move_to_end(key)
+                    continue
+                self.l2[key] = page
+                victims = self._pop_victims()
+            self._write_back(victims)
 
     def flush(self) -> None:
         """Evict everything from DRAM, as sustained pressure would; restores then come from SSD."""
-        while self.l2:
-            self._evict()
+        with self._lock:
+            saved, self.dram_pages = self.dram_pages, 0
+            victims = self._pop_victims()
+            self.dram_pages = saved
+        self._write_back(victims)
 
-    def _evict(self) -> None:
-        key, page = self.l2.popitem(last=False)
-        if not self.buckets:
-            self.dropped_pages += 1
-            return
+    def _pop_victims(self) -> list[tuple[Key, Array, tuple[int, int, int]]]:
+        victims = []
+        while len(self.l2) > self.dram_pages:
+            key, page = self.l2.popitem(last=False)
+            if not self.buckets:
+                self.dropped_pages += 1
+            elif key not in self.l3:  # a promoted page is still on SSD: nothing to write
+                victims.append((key, page, self._reserve()))
+        return victims
+
+    def _reserve(self) -> tuple[int, int, int]:
         if self._cursor + self.page_span > self.bucket_bytes:
             self._bucket = (self._bucket + 1) % self.buckets
             self._cursor = 0
@@ -89,13 +114,26 @@ class TieredStore:
                         del self.l3[k]
                         self.invalidated_pages += 1
                 self._bucket_keys[self._bucket] = []
-        self._write_buf.reshape(self.layers, self.page_bytes)[...] = page
-        self.io.submit_write(0, self._bucket, self._cursor, [self._write_buf]).result()
-        self.l3[key] = (self._bucket, self._cursor)
-        self._bucket_keys[self._bucket].append(key)
+            self._bucket_gen[self._bucket] += 1
+        slot = (self._bucket, self._cursor, self._bucket_gen[self._bucket])
         self._cursor += self.page_span
+        return slot
+
+    def _write_back(self, victims: list[tuple[Key, Array, tuple[int, int, int]]]) -> None:
+        for key, page, (bucket, offset, gen) in victims:
+            buf = aligned_empty(self.page_span)
+            buf.reshape(self.layers, self.page_bytes)[...] = page
+            self.io.submit_write(0, bucket, offset, [buf]).result()
+            with self._lock:
+                if self._bucket_gen[bucket] == gen:
+                    self.l3[key] = (bucket, offset)
+                    self._bucket_keys[bucket].append(key)
 
     def exists(self, keys: Sequence[Key]) -> int:
+        with self._lock:
+            return self._exists(keys)
+
+    def _exists(self, keys: Sequence[Key]) -> int:
         for i, key in enumerate(keys):
             if key not in self.l2 and key not in self.l3:
                 return i
@@ -103,32 +141,32 @@ class TieredStore:
 
     def media(self, keys: Sequence[Key]) -> list[str]:
         """Where each page of the stored prefix is: "dram" (L2) or "ssd" (L3)."""
-        out = []
-        for key in keys[: self.exists(keys)]:
-            out.append("dram" if key in self.l2 else "ssd")
-        return out
+        with self._lock:
+            return ["dram" if key in self.l2 else "ssd" for key in keys[: self._exists(keys)]]
 
     def restore(self, keys: Sequence[Key], dest: Array) -> int:
         """Restore into ``dest[layer, i]``; returns pages missing."""
         n, pb = len(keys), self.page_bytes
         c = self.counters
-        missing = {i for i, k in enumerate(keys) if k not in self.l2 and k not in self.l3}
+        with self._lock:  # what is where, now; the reads run unlocked
+            in_dram = {i: self.l2[k] for i, k in enumerate(keys) if k in self.l2}
+            on_ssd = {i: self.l3[k] for i, k in enumerate(keys) if i not in in_dram and k in self.l3}
+        missing = {i for i in range(n) if i not in in_dram and i not in on_ssd}
         if self.reader == "whole_page":
             # Page-major staging, as the log stores pages: one read per page brings all its layers.
             staging = aligned_empty((n, self.layers, pb))
-            reads = [(i, self.l3[k], staging[i]) for i, k in enumerate(keys) if k not in self.l2 and k in self.l3]
-            for i, k in enumerate(keys):
-                if k in self.l2:
-                    staging[i] = self.l2[k]
+            reads = [(i, loc, staging[i]) for i, loc in on_ssd.items()]
+            for i, page in in_dram.items():
+                staging[i] = page
         else:
             staging = aligned_empty((self.layers, n, pb))
             reads = []
             for layer in range(self.layers):
-                for i, k in enumerate(keys):
-                    if k in self.l2:
-                        staging[layer, i] = self.l2[k][layer]
-                    elif k in self.l3:
-                        bucket, offset = self.l3[k]
+                for i in range(n):
+                    if i in in_dram:
+                        staging[layer, i] = in_dram[i][layer]
+                    elif i in on_ssd:
+                        bucket, offset = on_ssd[i]
                         reads.append((i, (bucket, offset + layer * pb), staging[layer, i]))
         c.staging_peak_bytes = max(c.staging_peak_bytes, staging.nbytes)
         pending = [(i, buf.nbytes, self.io.submit_read(rr, bucket, offset, buf))
@@ -142,8 +180,10 @@ class TieredStore:
             c.bytes_read += max(got, 0)
             if got != want:
                 missing.add(i)
+        with self._lock:  # a bucket reclaimed while it was read may hold another page's bytes now
+            missing.update(i for i, loc in on_ssd.items() if self.l3.get(keys[i]) != loc)
         c.bytes_requested += n * self.layers * pb
-        c.dram_pages += sum(1 for k in keys if k in self.l2)
+        c.dram_pages += len(in_dram)
         dest[:, :n] = staging.transpose(1, 0, 2) if self.reader == "whole_page" else staging
         c.missing += len(missing)
         return len(missing)

@@ -99,13 +99,13 @@ def test_local_runs_only_target_loopback() -> None:
 
 def test_end_to_end_through_locust_then_the_report(tmp_path: Path) -> None:
     """A small replay per system through the real Locust, emulator and agent processes."""
-    cfg = e2e.E2EConfig(requests=12, qps=(6.0,), systems=("flatcake", "none"))
+    cfg = e2e.E2EConfig(requests=12, qps=(6.0,), systems=("flatcake", "none"), repeats=1)
     started = time.monotonic()
     report = e2e.run(cfg, tmp_path, log=lambda _: None)
     runs = {name: runs["6"] for name, runs in report["systems"].items()}
     assert set(runs) == {"flatcake", "none"} and all(r["requests"] == 12 and r["errors"] == 0 for r in runs.values())
     # Replay timing: every request left within 0.5 s of its scaled schedule.
-    for line in (tmp_path / "flatcake" / "qps-6" / "results.jsonl").read_text().splitlines():
+    for line in (tmp_path / "flatcake" / "qps-6" / "rep-0" / "results.jsonl").read_text().splitlines():
         rec = json.loads(line)
         assert rec["sent"] - rec["scheduled"] < 0.5
     ideal = report["meta"]["ideal_hit_rate_pages"]
@@ -116,10 +116,27 @@ def test_end_to_end_through_locust_then_the_report(tmp_path: Path) -> None:
         assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5_000
     assert (tmp_path / "report.md").read_text().count("| flatcake |") == 1
     assert "<table>" in (tmp_path / "report.html").read_text()
-    assert json.loads((tmp_path / "report.json").read_text())["meta"]["requests"] == 12
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["meta"]["requests"] == 12 and saved["model"] == "dsv4-flash"
+    assert saved["calibration"]["gpu"] == "a100" and saved["calibration"]["sources"]
+    rows = {row["system"]: row for row in saved["summary"]}
+    assert set(rows) == {"flatcake", "none"} and rows["flatcake"]["scheduler"] == "mas"
+    for row in rows.values():  # what the checks read, spreads over (here one) repeat
+        assert set(row["delivered_hit_rate"]) == {"min", "median", "max"} and row["repeats"] == 1
+        assert isinstance(row["saturated"], bool) and 0 <= row["dram_hit_share"] <= 1
+    assert saved["ideal_hit_rate"] == ideal
     assert "flatcake" in R.format_table(report)
     assert time.monotonic() - started < 240
-    assert len(list(read_trace(cfg.trace, 12))) == 12
+    assert len(list(read_trace(tmp_path / "trace.jsonl"))) == 12  # the slice every stage read
+
+
+def test_a_rate_past_capacity_is_flagged_saturated(tmp_path: Path) -> None:
+    """Recompute-only on the modelled GPU, every request arriving at once: the backlog is reported."""
+    cfg = e2e.E2EConfig(requests=8, qps=(200.0,), systems=("none",), repeats=1)
+    report = e2e.run(cfg, tmp_path, log=lambda _: None)
+    point = report["systems"]["none"]["200"]
+    assert point["saturated"] and "backlog" in point["saturation"][0]
+    assert "SATURATED" in R.format_table(report) and report["summary"][0]["saturated"] is True
 
 
 def test_report_names_the_context_of_runs_made_elsewhere(tmp_path: Path) -> None:

@@ -1,0 +1,89 @@
+"""SGLang HiCache's storage-prefetch rules, as pure decisions: when a prefetch may start, when the
+scheduler may stop waiting for it, and how long it may wait. The emulator's tiered mode runs them.
+
+Read from SGLang 0.5.23 (cited by file and function; no code taken):
+- ``srt/arg_groups/fields/memory.py``: ``hicache_storage_prefetch_policy`` is one of ``best_effort``,
+  ``wait_complete``, ``timeout``; the server default is ``timeout``. Declined or missed storage
+  lookups are re-issued, at most ``hicache_storage_prefetch_retry_max_attempts`` (8) times.
+- ``srt/mem_cache/unified_radix_cache.py``, ``prefetch_from_storage``: a prefetch shorter than
+  ``prefetch_threshold`` (256 tokens) is not started; one asked for while
+  ``cache_controller.prefetch_rate_limited()`` is declined and retried later; a started one adds its
+  tokens to ``prefetch_tokens_occupied``.
+- ``srt/managers/cache_controller.py``, ``prefetch_rate_limited``: limited once the occupied tokens
+  reach ``prefetch_capacity_limit`` = half the host pool (cache mode). ``_page_transfer``: one I/O
+  thread reads an operation in batches of ``STORAGE_BATCH_SIZE`` (128) pages and stops between
+  batches once the operation is terminated; completed pages count batch by batch.
+- ``unified_radix_cache.py``, ``_can_terminate_prefetch`` and ``check_prefetch_progress``: at each
+  scheduling pass ``best_effort`` stops the prefetch and keeps what has arrived; ``wait_complete``
+  keeps the request waiting until all of it has arrived; ``timeout`` waits until
+  ``prefetch_timeout_base`` (1.0 s) + pages x ``page_size`` / 1024 x ``prefetch_timeout_per_ki_token``
+  (0.25 s), counted from the first pass that found it unfinished (``_start_storage_prefetch_wait``).
+- ``srt/managers/scheduler.py``, the prefill batch loop: a request whose prefetch cannot stop yet is
+  skipped (``continue``) and later requests in the waiting queue may be scheduled ahead of it; the
+  waiting queue is ordered by ``schedule_policy``, default ``fcfs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+DEFAULT_PREFETCH_POLICY = "timeout"
+PREFETCH_THRESHOLD_TOKENS = 256
+TIMEOUT_BASE_S = 1.0
+TIMEOUT_PER_KI_TOKEN_S = 0.25
+STORAGE_BATCH_PAGES = 128
+RETRY_MAX_ATTEMPTS = 8
+
+
+def check_policy(policy: str) -> str:
+    if policy not in PREFETCH_POLICIES:
+        raise ValueError(f"prefetch_policy: {policy!r} must be one of {', '.join(PREFETCH_POLICIES)}")
+    return policy
+
+
+def capacity_tokens(host_pool_tokens: int) -> int:
+    """Tokens that may be in flight in prefetches: half the host pool, the rest kept for write-back."""
+    return host_pool_tokens // 2
+
+
+def rate_limited(occupied_tokens: int, host_pool_tokens: int) -> bool:
+    return occupied_tokens >= capacity_tokens(host_pool_tokens)
+
+
+def worth_prefetching(tokens: int) -> bool:
+    return tokens >= PREFETCH_THRESHOLD_TOKENS
+
+
+def timeout_s(pages: int, page_tokens: int) -> float:
+    return TIMEOUT_BASE_S + pages * page_tokens / 1024 * TIMEOUT_PER_KI_TOKEN_S
+
+
+@dataclass
+class Prefetch:
+    """One storage prefetch of a request's L3 span, as the scheduler sees it."""
+
+    pages: int
+    completed: int = 0  # pages arrived, batch by batch
+    finished: bool = False  # the I/O thread is done with it (all read, or stopped, or failed)
+    terminated: bool = False  # the scheduler stopped it; the I/O thread reads no further batch
+    wait_started: float | None = None  # the first pass that found it unfinished (timeout policy)
+
+    def may_stop(self, policy: str, now: float, page_tokens: int) -> bool:
+        """Whether a scheduling pass at ``now`` may stop waiting and schedule the request. The first
+        pass that finds it unfinished starts the timeout clock."""
+        if self.finished:
+            return True
+        if policy == "best_effort":
+            return True
+        if self.wait_started is None:
+            self.wait_started = now
+        if policy == "wait_complete":
+            return False
+        return now - self.wait_started > timeout_s(self.pages, page_tokens)
+
+    def deadline(self, page_tokens: int) -> float | None:
+        """When a waiting ``timeout`` prefetch may be stopped (for the scheduler's next wake-up)."""
+        if self.wait_started is None:
+            return None
+        return self.wait_started + timeout_s(self.pages, page_tokens)

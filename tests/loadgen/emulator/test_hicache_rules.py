@@ -1,0 +1,214 @@
+"""The emulator's tiered mode follows SGLang HiCache's prefetch rules, and FlatCake's FC-MAS still
+orders requests as the paper's Figure 4 does, through the emulator's real stores and threads.
+
+A gate holds the storage reads a test wants to control, so each case waits for evidence (a read
+started, a request queued, a counter), never for a fixed time."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flatcake.loadgen.emulator.server import Emulator, EmulatorConfig, Outcome, page_keys
+from flatcake.loadgen.systems import hicache
+from flatcake.node_agent import Hints, aligned_empty
+from tests.support.waiting import async_wait_until
+
+pytestmark = pytest.mark.integration
+
+PT = 64  # tokens per page; 4 layers x 4 KiB per page-layer
+
+
+def _config(tmp_path: Path, mode: str, **kw: Any) -> EmulatorConfig:
+    base: dict[str, Any] = dict(mode=mode, data_dir=str(tmp_path / mode), page_tokens=PT, layers=4,
+                                bytes_per_token_layer=64, hbm_bytes=64 * 16384, dram_bytes=8 * 16384,
+                                ssd_bytes=16 << 20, scope_file_bytes=1 << 20, prefill_tokens_per_s=1e6)  # fmt: skip
+    return EmulatorConfig(**{**base, **kw})
+
+
+def _prompt(first: int, pages: int) -> list[int]:
+    return list(range(first, first + pages * PT))
+
+
+def _store_on_ssd(emu: Emulator, tokens: list[int]) -> list[str]:
+    keys = page_keys(tokens, PT)
+    kv = aligned_empty((emu.cfg.layers, len(keys), emu.cfg.page_bytes))
+    kv[...] = 7
+    if emu.storage.tiered is not None:
+        emu.storage.tiered.put(keys, kv)
+        emu.storage.tiered.flush()  # out of the host tier: only a storage prefetch brings them back
+    else:
+        assert emu.storage.engine is not None
+        emu.storage.engine.put(keys, kv, Hints(context_tokens=1 << 20))  # an agent session: placed on SSD
+    assert emu.storage.media(keys) == ["ssd"] * len(keys)
+    return keys
+
+
+class Gate:
+    """Holds the reads ``which`` selects until opened; says when one is waiting."""
+
+    def __init__(self, emu: Emulator, which: Callable[[list[str], bool], bool]) -> None:
+        self.opened = threading.Event()
+        self.entered = threading.Event()
+        self.opened_at = 0.0
+        restore = emu.storage.restore
+
+        def gated(keys: list[str], promote: bool = False) -> int:
+            if which(keys, promote):
+                self.entered.set()
+                assert self.opened.wait(60), "the test never opened the gate"
+            return restore(keys, promote)
+
+        emu.storage.restore = gated  # type: ignore[method-assign]
+
+    def open(self) -> None:
+        self.opened_at = time.monotonic()
+        self.opened.set()
+
+
+async def _entered(gate: Gate) -> bool:
+    return gate.entered.is_set()
+
+
+async def _passes(emu: Emulator, n: int = 3) -> None:
+    """Let the scheduler run a few passes (each wakes on the condition)."""
+    assert emu._cond is not None
+    for _ in range(n):
+        async with emu._cond:
+            emu._cond.notify_all()
+        await asyncio.sleep(0)
+
+
+def _run(emu: Emulator, scenario: Callable[[], Any]) -> Any:
+    async def main() -> Any:
+        await emu.start()
+        try:
+            return await scenario()
+        finally:
+            await emu.stop()
+
+    return asyncio.run(main())
+
+
+def test_wait_complete_never_starts_prefill_before_its_prefetch_ends(tmp_path: Path) -> None:
+    emu = Emulator(_config(tmp_path, "tiered", prefetch_policy="wait_complete"))
+    tokens = _prompt(0, 5)
+    _store_on_ssd(emu, tokens)
+    gate = Gate(emu, lambda keys, promote: promote)  # the prefetch thread's reads
+
+    async def scenario() -> Outcome:
+        request = asyncio.create_task(emu.prefill(tokens))
+        await async_wait_until(lambda: _entered(gate), what="the prefetch to start reading")
+        await _passes(emu)
+        assert not request.done() and len(emu.waiting) == 1  # skipped at every pass so far
+        gate.open()
+        return await request
+
+    out = _run(emu, scenario)
+    assert out.prefill_start >= gate.opened_at
+    assert out.hit_pages["ssd"] == 5 and out.declined_pages == 0
+
+
+def test_timeout_starts_prefill_after_sglangs_timeout_and_recomputes(tmp_path: Path) -> None:
+    emu = Emulator(_config(tmp_path, "tiered", prefetch_policy="timeout"))
+    tokens = _prompt(0, 5)
+    _store_on_ssd(emu, tokens)
+    gate = Gate(emu, lambda keys, promote: promote)
+
+    async def scenario() -> Outcome:
+        request = asyncio.create_task(emu.prefill(tokens))
+        await async_wait_until(lambda: _entered(gate), what="the prefetch to start reading")
+        out = await request  # the scheduler stops waiting on its own; the read is still held
+        gate.open()
+        return out
+
+    out = _run(emu, scenario)
+    assert out.prefill_start - out.arrival >= hicache.timeout_s(5, PT)
+    assert not gate.opened_at or gate.opened_at > out.prefill_start
+    assert out.hit_pages["ssd"] == 0 and out.unprefetched_pages == 5  # recomputed, as SGLang would
+
+
+def test_best_effort_takes_what_has_arrived_without_waiting(tmp_path: Path) -> None:
+    emu = Emulator(_config(tmp_path, "tiered", prefetch_policy="best_effort"))
+    tokens = _prompt(0, 5)
+    _store_on_ssd(emu, tokens)
+    gate = Gate(emu, lambda keys, promote: promote)
+
+    async def scenario() -> Outcome:
+        out = await emu.prefill(tokens)
+        gate.open()
+        return out
+
+    out = _run(emu, scenario)
+    assert out.hit_pages["ssd"] == 0 and out.unprefetched_pages == 5
+
+
+def test_a_declined_prefetch_is_retried_at_a_later_pass(tmp_path: Path) -> None:
+    # Host pool of 8 pages: prefetches may hold 4 pages' tokens in flight. A holds 5 (its read is
+    # gated), so B is declined; once A is scheduled B's retry starts its prefetch. C keeps the GPU
+    # busy meanwhile (all its tokens are new, at 16 pages/s), as a long prefill ahead of them would.
+    emu = Emulator(_config(tmp_path, "tiered", prefetch_policy="wait_complete", prefill_tokens_per_s=PT * 4.0))
+    a, b = _prompt(0, 5), _prompt(100_000, 5)
+    _store_on_ssd(emu, a)
+    _store_on_ssd(emu, b)
+    gate = Gate(emu, lambda keys, promote: promote and keys == page_keys(a, PT))
+    declined = emu.m["flatcake_prefetch_declined"].labels("tiered")
+    retried = emu.m["flatcake_prefetch_retries"].labels("tiered")
+
+    async def scenario() -> tuple[Outcome, Outcome]:
+        c = asyncio.create_task(emu.prefill(_prompt(900_000, 8)))
+        await async_wait_until(lambda: _async(not emu.waiting), what="C to be scheduled")
+        ra = asyncio.create_task(emu.prefill(a))
+        await async_wait_until(lambda: _entered(gate), what="A's prefetch to start")
+        rb = asyncio.create_task(emu.prefill(b))
+        await async_wait_until(lambda: _async(declined._value.get() == 1), what="B's prefetch to be declined")
+        assert not c.done()
+        gate.open()
+        await c
+        return await ra, await rb
+
+    out_a, out_b = _run(emu, scenario)
+    assert retried._value.get() >= 1
+    assert out_a.hit_pages["ssd"] == 5 and out_b.hit_pages["ssd"] == 5 and out_b.declined_pages == 0
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+@pytest.mark.parametrize("policy", ["mas", "fcfs"])
+def test_fc_mas_runs_dram_ready_requests_while_an_ssd_one_prepares(tmp_path: Path, policy: str) -> None:
+    """The paper's Figure 4: a long SSD-bound request arrives first, then short ones that need nothing
+    from SSD. FC-MAS prefills the short ones while the long one's restore runs; FCFS holds them behind it."""
+    emu = Emulator(_config(tmp_path, "flatcake", scheduler=policy, dram_bytes=4 << 20))
+    long = _prompt(0, 6)
+    _store_on_ssd(emu, long)
+    gate = Gate(emu, lambda keys, promote: keys == page_keys(long, PT))  # the SSD request's prefetch
+
+    async def scenario() -> tuple[Outcome, list[Outcome]]:
+        first = asyncio.create_task(emu.prefill(long))
+        await async_wait_until(lambda: _entered(gate), what="the SSD restore to start")
+        short = [asyncio.create_task(emu.prefill(_prompt(500_000 + 10_000 * i, 1))) for i in range(3)]
+        if policy == "mas":  # they finish while the restore is still held
+            done = await asyncio.gather(*short)
+            gate.open()
+            return await first, done
+        await async_wait_until(lambda: _async(emu.sched.depths().get("dram_ready", 0) == 3),
+                               what="the short requests to queue")  # fmt: skip
+        await _passes(emu)
+        assert not any(t.done() for t in short)  # FCFS: behind the SSD request
+        gate.open()
+        return await first, await asyncio.gather(*short)
+
+    first, short = _run(emu, scenario)
+    assert first.hit_pages["ssd"] == 6
+    if policy == "mas":
+        assert all(s.first_token <= gate.opened_at < first.prefill_start for s in short)
+    else:
+        assert all(s.prefill_start >= first.prefill_start >= gate.opened_at for s in short)
