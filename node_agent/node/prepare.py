@@ -34,7 +34,14 @@ from pathlib import Path
 from flatcake.errors import PrepareError
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.datapath.file_pool import create_pool
-from flatcake.node_agent.node.hugepages import reserve_hugepages, reserved_hugepages, wanted_hugepages
+from flatcake.node_agent.node.hugepages import (
+    hugepage_shares,
+    node_total,
+    release_share,
+    reserve_hugepages,
+    reserved_hugepages,
+    wanted_hugepages,
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class NodeState:
     resolved: dict[str, str] = field(default_factory=dict)
     signatures: dict[str, tuple[str, ...]] = field(default_factory=dict)  # device -> wipefs types ("gpt", "ext4")
     in_use: dict[str, tuple[str, ...]] = field(default_factory=dict)  # device -> "mounted at /x", "held by md127"
+    hugepage_shares: dict[str, int] = field(default_factory=dict)  # dram.name -> pages, caches on this node
 
 
 @dataclass(frozen=True)
@@ -73,9 +81,13 @@ def plan(c: EngineConfig, state: NodeState) -> list[Step]:
     p = c.prepare
     steps: list[Step] = []
     want = wanted_hugepages(c)
-    if want and state.hugepages.get(p.hugepage_size, 0) < want:
-        steps.append(Step("hugepages", f"reserve {want} pages of {p.hugepage_size} for the DRAM pool "
-                          f"({state.hugepages.get(p.hugepage_size, 0)} reserved now)", action="hugepages"))  # fmt: skip
+    total = node_total(c, state.hugepage_shares)
+    have = state.hugepages.get(p.hugepage_size, 0)
+    # The node's count serves every cache on it: this cache's share is recorded and added to theirs.
+    if want and (state.hugepage_shares.get(c.dram.name) != want or have < total):
+        steps.append(Step("hugepages", f"reserve {total} pages of {p.hugepage_size}: {want} for this DRAM pool, "
+                          f"{total - want} for other caches on this node ({have} reserved now)",
+                          action="hugepages"))  # fmt: skip
         if p.restart_kubelet:
             # Through PID 1's mount namespace: from the agent's init container (hostPID, privileged)
             # this reaches the host's systemd; on the host itself it is a plain systemctl.
@@ -261,7 +273,8 @@ def probe(c: EngineConfig) -> NodeState:
         fs[dev] = out.stdout.strip()
         signatures[dev] = _signatures(dev)
         in_use[dev] = _in_use(dev, mounts_seen, swaps)
-    return NodeState(huge, arrays, md_available, fs, mounts, existing, resolved, signatures, in_use)
+    shares = hugepage_shares(c) if c.prepare.hugepage_size != "none" else {}
+    return NodeState(huge, arrays, md_available, fs, mounts, existing, resolved, signatures, in_use, shares)
 
 
 def apply(c: EngineConfig, steps: Sequence[Step], log: Callable[[str], None] = print) -> None:
@@ -284,8 +297,8 @@ def apply(c: EngineConfig, steps: Sequence[Step], log: Callable[[str], None] = p
 
 def reclaim(c: EngineConfig, log: Callable[[str], None] = print) -> list[str]:
     """Erase this cache's data on the node (a FlatCakeCache deleted with reclaimPolicy Delete): the
-    pool directory (files, manifest, journal) and the shared DRAM pool file. The filesystem and array
-    stay; idempotent. Returns what was removed."""
+    pool directory (files, manifest, journal), the shared DRAM pool file and its hugepage share record.
+    The filesystem, the array and the reserved pages stay; idempotent. Returns what was removed."""
     removed = []
     pool = Path(c.ssd.dir)
     if pool.exists():
@@ -297,6 +310,8 @@ def reclaim(c: EngineConfig, log: Callable[[str], None] = print) -> list[str]:
         if path.exists():
             path.unlink()
             removed.append(str(path))
+    if c.prepare.hugepage_size != "none" and release_share(c):
+        removed.append(f"the hugepage share of {c.dram.name} (the pages stay reserved)")
     for what in removed:
         log(f"reclaim: removed {what}")
     if not removed:

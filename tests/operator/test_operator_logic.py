@@ -221,6 +221,22 @@ def test_agent_runs_with_no_privilege_but_ipc_lock() -> None:
 
 
 @pytest.mark.unit
+def test_hugepage_shares_are_one_host_folder_for_prepare_and_reclaim() -> None:
+    """Caches on one node add their hugepage shares in one folder: every cache renders the same one."""
+    parsed = parse_spec(spec())
+    for cache in (CACHE, render.Cache("other", "ns2", "uid-2")):
+        config = EngineConfig.from_dict(render.engine_config(parsed, cache))
+        assert config.prepare.hugepage_shares_dir == render.HUGEPAGE_SHARES_DIR
+        ds = render.daemon_set(parsed, cache, render.engine_config(parsed, cache))["spec"]["template"]["spec"]
+        reclaim = render.reclaim_daemon_set(parsed, cache)["spec"]["template"]["spec"]
+        for pod, container in ((ds, ds["initContainers"][0]), (reclaim, reclaim["containers"][0])):
+            mount = next(m for m in container["volumeMounts"] if m["mountPath"] == render.HUGEPAGE_SHARES_DIR)
+            volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+            assert volume["hostPath"]["path"] == render.HUGEPAGE_SHARES_DIR
+        assert all(m["mountPath"] != render.HUGEPAGE_SHARES_DIR for m in ds["containers"][0]["volumeMounts"])
+
+
+@pytest.mark.unit
 def test_rendered_objects_validate_against_kubernetes_schemas() -> None:
     import kubernetes_validate
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 from flatcake.cli import main
 from flatcake.node_agent.config import EngineConfig, PrepareConfig
 from flatcake.node_agent.datapath.file_pool import PoolManifest
+from flatcake.node_agent.node import hugepages as H
 from flatcake.node_agent.node import prepare as P
 from tests.support.engines import small_config
 
@@ -43,12 +45,62 @@ def test_directory_mode_creates_a_verified_pool_and_is_idempotent(tmp_path: Path
 @pytest.mark.unit
 def test_hugepages_are_reserved_only_when_short(tmp_path: Path) -> None:
     c = dataclasses.replace(cfg(tmp_path), prepare=PrepareConfig(hugepage_size="2Mi", hugepages=8))
+    mine = {c.dram.name: 8}
     assert names(P.plan(c, P.NodeState(hugepages={"2Mi": 0}))) == ["hugepages", "pool"]
-    assert names(P.plan(c, P.NodeState(hugepages={"2Mi": 8}))) == ["pool"]
+    assert names(P.plan(c, P.NodeState(hugepages={"2Mi": 8}, hugepage_shares=mine))) == ["pool"]
+    assert names(P.plan(c, P.NodeState(hugepages={"2Mi": 8}))) == ["hugepages", "pool"]  # share not recorded yet
+    two = P.NodeState(hugepages={"2Mi": 8}, hugepage_shares={**mine, "other-cache": 4})
+    assert "reserve 12 pages of 2Mi: 8 for this DRAM pool, 4 for other caches" in P.plan(c, two)[0].why
     k = dataclasses.replace(c, prepare=dataclasses.replace(c.prepare, restart_kubelet=True))
     assert names(P.plan(k, P.NodeState(hugepages={"2Mi": 2}))) == ["hugepages", "kubelet", "pool"]
     derived = dataclasses.replace(c, prepare=dataclasses.replace(c.prepare, hugepages=0))
     assert P.wanted_hugepages(derived) == -(-c.dram.bytes // (2 << 20))
+
+
+@pytest.mark.integration
+def test_two_caches_on_a_node_add_their_hugepages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two caches prepare one node (nr_hugepages emulated by a file: the real one is the machine's):
+    the count becomes the sum of their shares, not the last one's need, and is never lowered."""
+    sysfs = tmp_path / "sys" / "hugepages-{kb}kB" / "nr_hugepages"
+    count = Path(str(sysfs).format(kb=2048))
+    count.parent.mkdir(parents=True)
+    count.write_text("0")
+    monkeypatch.setattr(H, "SYSFS_HUGEPAGES", str(sysfs))
+
+    def cache(name: str, pages: int) -> EngineConfig:
+        c = cfg(tmp_path / name, hugepage_size="2Mi", hugepages=pages, hugepage_shares_dir=str(tmp_path / "shares"))
+        return dataclasses.replace(c, dram=dataclasses.replace(c.dram, name=name))
+
+    def prepare(c: EngineConfig) -> list[str]:
+        steps = P.plan(c, P.probe(c))
+        P.apply(c, steps, log=lambda _: None)
+        return names(steps)
+
+    a, b = cache("a", 100), cache("b", 50)
+    assert prepare(a) == ["hugepages", "pool"] and count.read_text() == "100"
+    assert prepare(b) == ["hugepages", "pool"] and count.read_text() == "150"  # b's 50 added to a's 100
+    assert prepare(a) == ["pool"] and prepare(b) == ["pool"]  # both satisfied: nothing written again
+    assert prepare(cache("a", 120)) == ["hugepages", "pool"] and count.read_text() == "170"
+    count.write_text("0")  # a reboot (the records on /run go too; here they stay): the first prepare sets the sum
+    assert prepare(b) == ["hugepages", "pool"] and count.read_text() == "170"
+    count.write_text("1000")  # reserved ahead, more than needed: kept
+    assert prepare(cache("c", 10)) == ["hugepages", "pool"] and count.read_text() == "1000"
+    assert P.reclaim(b, log=lambda _: None)[-1].startswith("the hugepage share of b")
+    assert H.hugepage_shares(a) == {"a": 120, "c": 10} and count.read_text() == "1000"  # pages stay
+
+
+@pytest.mark.integration
+def test_concurrent_caches_reserve_the_sum(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Init containers of several caches run at once after a reboot: the lock makes every share count."""
+    sysfs = tmp_path / "hugepages-{kb}kB"
+    (tmp_path / "hugepages-2048kB").write_text("0")
+    monkeypatch.setattr(H, "SYSFS_HUGEPAGES", str(sysfs))
+    base = cfg(tmp_path, hugepage_size="2Mi", hugepage_shares_dir=str(tmp_path / "shares"))
+    caches = [dataclasses.replace(base, dram=dataclasses.replace(base.dram, name=f"cache{i}"),
+                                  prepare=dataclasses.replace(base.prepare, hugepages=10 + i)) for i in range(8)]  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(len(caches)) as pool:
+        list(pool.map(H.reserve_hugepages, caches))
+    assert int((tmp_path / "hugepages-2048kB").read_text()) == sum(10 + i for i in range(8))
 
 
 @pytest.mark.unit
