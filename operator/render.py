@@ -14,7 +14,7 @@ from typing import Any
 from flatcake.errors import ConfigError
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.constants import HUGETLBFS_MOUNTS
-from flatcake.operator.spec import GROUP, VERSION, CacheSpec, SpecError
+from flatcake.operator.spec import GROUP, VERSION, CacheSpec, SpecError, check_cache_name
 
 CONFIG_KEY = "engine.json"
 CONFIG_DIR = "/etc/flatcake"
@@ -25,6 +25,7 @@ RUN_ROOT = "/run/flatcake"  # host directory shared with inference pods: socket 
 HUGEPAGE_SHARES_DIR = f"{RUN_ROOT}/hugepages"
 DEVICE_MOUNT_ROOT = "/var/lib/flatcake"  # where prepared arrays are mounted, one folder per cache
 AGENT_MEMORY_BYTES = 512 << 20  # the agent's own heap: index, journal buffers, HTTP
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket path (sun_path holds 108 with the terminating NUL)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,18 @@ class Cache:
     def owner_reference(self) -> dict[str, Any]:
         return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "FlatCakeCache", "name": self.name,
                 "uid": self.uid, "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+
+
+def check_cache(cache: Cache) -> None:
+    """What the cache's name and namespace must allow: valid object names, and host paths the agent
+    can use (its socket path carries both)."""
+    check_cache_name(cache.name)
+    socket = f"{RUN_ROOT}/{cache.instance}/agent.sock"
+    if len(socket.encode()) > SOCKET_PATH_MAX:
+        raise SpecError("metadata.name", f"the agent's socket {socket} would be {len(socket.encode())} bytes, over "
+                        f"the {SOCKET_PATH_MAX} a Unix socket path may have; recreate the cache under a shorter "
+                        f"name (namespace and name together at most {SOCKET_PATH_MAX - len(RUN_ROOT) - 13} "
+                        "characters)")  # fmt: skip
 
 
 def ready_label(cache: Cache) -> str:
