@@ -1,7 +1,8 @@
 # The FlatCake image: operator, node agent (prepare, serve, reclaim) and benchmark tools, one command.
 FROM python:3.11-slim-bookworm
 # Node preparation runs these on the host's devices: mdadm (RAID-0), xfsprogs (mkfs.xfs),
-# util-linux (nsenter for the opt-in kubelet restart, fallocate), fio (the benchmark's limit).
+# util-linux (wipefs and blkid to find data that must not be formatted, nsenter for the opt-in kubelet
+# restart, fallocate), fio (the benchmark's limit).
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         mdadm xfsprogs util-linux fio \
     && rm -rf /var/lib/apt/lists/*

@@ -82,7 +82,9 @@ class PrepareConfig:
     """What `flatcake agent prepare` makes of a node before the agent starts."""
 
     hugepage_size: str = "2Mi"  # 2Mi | 1Gi | none
-    hugepages: int = 0  # pages to have reserved; 0 derives them from dram.bytes
+    hugepages: int = 0  # this cache's pages; 0 derives them from dram.bytes
+    # Each cache on a node records its share here; the node's count is the sum (node/hugepages.py).
+    hugepage_shares_dir: str = "/run/flatcake/hugepages"
     devices: tuple[str, ...] = ()  # NVMe devices for RAID-0 + XFS; empty: use ssd.dir as it is
     mount: str = "/var/lib/flatcake"  # where the array (or device) is mounted; ssd.dir lives below it
     raid_name: str = "flatcake"  # /dev/md/<name>

@@ -92,6 +92,7 @@ def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: An
     selected: list[str] = []
     reports = [NodeReport.from_object(r) for r in _reports(kube, cache.namespace, cache.name)]
     try:
+        render.check_cache(cache)
         spec = parse_spec(dict(body.get("spec", {})))
         nodes = _selected_nodes(kube, spec)
         selected = sorted(n["metadata"]["name"] for n in nodes)
@@ -121,6 +122,14 @@ def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: An
             outcome = K.apply(kube, obj)
             if outcome != "unchanged":
                 logger.info("%s %s %s", outcome, obj["kind"], obj["metadata"]["name"])
+    except K.KubeError as exc:
+        # 400 and 422 answer what was sent, not the API server's state: the same spec is refused again
+        # on every retry, so it is a spec problem (Degraded), not a transient error to retry soon.
+        if exc.status not in (400, 422):
+            raise
+        problem = f"spec: the API server refused what this spec renders ({exc}); fix the field it names"
+        logger.error("not deployed: %s", problem)
+        kopf.warn(body, reason="InvalidSpec", message=problem)
     except SpecError as exc:
         problem = str(exc)
         logger.error("not deployed: %s", problem)
@@ -166,6 +175,7 @@ def node_reported(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> No
         return
     ident = render.Cache(cache_name, namespace, cache["metadata"].get("uid", ""))
     try:
+        render.check_cache(ident)
         spec = parse_spec(cache.get("spec", {}))
         render.check_engine_config(render.engine_config(spec, ident))
         selected = sorted(n["metadata"]["name"] for n in _selected_nodes(kube, spec))
@@ -205,6 +215,7 @@ def cache_deleted(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> No
     cache = render.Cache(meta["name"], meta["namespace"], meta.get("uid", ""))
     n = render.names(cache)
     try:
+        render.check_cache(cache)  # a cache refused for its name was never deployed: nothing to reclaim
         spec = parse_spec(dict(body.get("spec", {})))
     except SpecError as exc:
         logger.error("cannot reclaim with an invalid spec (%s); releasing the cache, node data is kept", exc)

@@ -14,14 +14,18 @@ from typing import Any
 from flatcake.errors import ConfigError
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.constants import HUGETLBFS_MOUNTS
-from flatcake.operator.spec import GROUP, VERSION, CacheSpec, SpecError
+from flatcake.operator.spec import GROUP, VERSION, CacheSpec, SpecError, check_cache_name
 
 CONFIG_KEY = "engine.json"
 CONFIG_DIR = "/etc/flatcake"
 NODE_IDS_DIR = "/etc/flatcake/node-ids"
 RUN_ROOT = "/run/flatcake"  # host directory shared with inference pods: socket and DRAM pool file
+# Every cache's hugepage share on a node (node/hugepages.py): one host folder for all caches, on /run
+# so the records go with the reservations at reboot.
+HUGEPAGE_SHARES_DIR = f"{RUN_ROOT}/hugepages"
 DEVICE_MOUNT_ROOT = "/var/lib/flatcake"  # where prepared arrays are mounted, one folder per cache
 AGENT_MEMORY_BYTES = 512 << 20  # the agent's own heap: index, journal buffers, HTTP
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket path (sun_path holds 108 with the terminating NUL)
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,18 @@ class Cache:
     def owner_reference(self) -> dict[str, Any]:
         return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "FlatCakeCache", "name": self.name,
                 "uid": self.uid, "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+
+
+def check_cache(cache: Cache) -> None:
+    """What the cache's name and namespace must allow: valid object names, and host paths the agent
+    can use (its socket path carries both)."""
+    check_cache_name(cache.name)
+    socket = f"{RUN_ROOT}/{cache.instance}/agent.sock"
+    if len(socket.encode()) > SOCKET_PATH_MAX:
+        raise SpecError("metadata.name", f"the agent's socket {socket} would be {len(socket.encode())} bytes, over "
+                        f"the {SOCKET_PATH_MAX} a Unix socket path may have; recreate the cache under a shorter "
+                        f"name (namespace and name together at most {SOCKET_PATH_MAX - len(RUN_ROOT) - 13} "
+                        "characters)")  # fmt: skip
 
 
 def ready_label(cache: Cache) -> str:
@@ -135,6 +151,7 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
         "prepare": {
             "hugepage_size": spec.hugepage_size,
             "hugepages": 0,
+            "hugepage_shares_dir": HUGEPAGE_SHARES_DIR,
             "devices": list(spec.devices),
             "mount": root,
             "raid_name": f"flatcake-{cache.name}"[:32],
@@ -239,6 +256,12 @@ def _host_volumes(spec: CacheSpec, cache: Cache) -> tuple[list[dict[str, Any]], 
     return volumes, mounts
 
 
+def _shares_volume() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The hugepage share records, for the prepare and reclaim containers only (the agent has no use)."""
+    volume = {"name": "hugepage-shares", "hostPath": {"path": HUGEPAGE_SHARES_DIR, "type": "DirectoryOrCreate"}}
+    return volume, {"name": "hugepage-shares", "mountPath": HUGEPAGE_SHARES_DIR}
+
+
 def _agent_resources(spec: CacheSpec) -> dict[str, Any]:
     memory = AGENT_MEMORY_BYTES
     resources: dict[str, str] = {}
@@ -261,7 +284,8 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
     for m in prepare_mounts:
         if m["name"] == "pool":
             m["mountPropagation"] = "Bidirectional"  # the mount it makes must be visible to the host
-    prepare_mounts += [{"name": "dev", "mountPath": "/dev"}, {"name": "sys", "mountPath": "/sys"}]
+    shares_volume, shares_mount = _shares_volume()
+    prepare_mounts += [{"name": "dev", "mountPath": "/dev"}, {"name": "sys", "mountPath": "/sys"}, shares_mount]
     node_env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     pod_labels = labels(cache)
     return {
@@ -317,6 +341,7 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
                         *volumes,
                         {"name": "dev", "hostPath": {"path": "/dev"}},
                         {"name": "sys", "hostPath": {"path": "/sys"}},
+                        shares_volume,
                     ],
                 },
             },
@@ -328,6 +353,8 @@ def reclaim_daemon_set(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
     """Erases this cache's pool and DRAM pool file on every node (reclaimPolicy Delete); each pod turns
     ready once its node is clean, and the operator removes the DaemonSet when all are."""
     volumes, mounts = _host_volumes(spec, cache)
+    shares_volume, shares_mount = _shares_volume()
+    volumes, mounts = [*volumes, shares_volume], [*mounts, shares_mount]  # its share is forgotten too
     ds = daemon_set(spec, cache, {})
     pod = ds["spec"]["template"]["spec"]
     pod["initContainers"] = []

@@ -17,6 +17,15 @@ GROUP = "flatcake.io"
 VERSION = "v1alpha1"
 _UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 _QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
+# The cache's name is the stem of every object it owns; the tightest is the Service "<name>-metrics",
+# a DNS-1035 label (at most 63 characters). The CRD's schema admits only such names; the operator
+# checks again for caches admitted before that rule (a CRD upgrade does not revalidate objects).
+MAX_CACHE_NAME = 63 - len("-metrics")
+_DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_DEVICE = re.compile(r"^/dev/[A-Za-z0-9/_.:+-]+$")
 
 
 class SpecError(ConfigError):
@@ -33,6 +42,36 @@ def parse_quantity(value: str, field: str) -> int:
     if not match:
         raise SpecError(field, f"{value!r} is not a size; write it like 64Gi (suffixes Ki, Mi, Gi, Ti)")
     return int(match.group(1)) * _UNITS[match.group(2) or ""]
+
+
+def check_cache_name(name: str) -> None:
+    if len(name) > MAX_CACHE_NAME or not _DNS1035_LABEL.match(name):
+        raise SpecError("metadata.name", f"{name!r} cannot name this cache's objects: the Service {name}-metrics "
+                        "must be a DNS-1035 label (lower-case letters, digits and '-', starting with a letter, at "
+                        f"most 63 characters). Recreate the cache under such a name of at most {MAX_CACHE_NAME} "
+                        "characters")  # fmt: skip
+
+
+def check_labels(field: str, labels: dict[str, Any]) -> None:
+    """Kubernetes label keys and values (they land in a pod's nodeSelector, a list selector, or an
+    object's labels, where the API server refuses anything else)."""
+    for key, value in labels.items():
+        prefix, _, name = str(key).rpartition("/")
+        if (prefix and (len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix))) or (
+            len(name) > 63 or not _LABEL_NAME.match(name)
+        ):
+            raise SpecError(field, f"{key!r} is not a label key: an optional DNS subdomain prefix and '/', then at "
+                            "most 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric")  # fmt: skip
+        if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.match(value):
+            raise SpecError(f"{field}.{key}", f"{value!r} is not a label value: at most 63 letters, digits, '-', "
+                            "'_' or '.', starting and ending alphanumeric (or empty)")  # fmt: skip
+
+
+def _check_host_path(field: str, path: str) -> None:
+    # The API server refuses a hostPath with a '..' element, and a device path with one could name
+    # something outside /dev.
+    if not path.startswith("/") or ".." in path.split("/") or "\0" in path or len(path) > 200:
+        raise SpecError(field, f"{path!r} must be an absolute path of at most 200 characters without '..' elements")
 
 
 def format_bytes(n: int) -> str:
@@ -114,6 +153,15 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
     directory = r.get("ssd.directory", str, None)
     if bool(devices) == (directory is not None):
         raise SpecError("spec.ssd", "set exactly one of devices (NVMe to format) and directory (an existing path)")
+    for i, device in enumerate(devices):
+        _check_host_path(f"spec.ssd.devices[{i}]", str(device))
+        if not _DEVICE.match(str(device)):
+            raise SpecError(f"spec.ssd.devices[{i}]", f"{device!r} is not a device path: /dev/ followed by "
+                            "letters, digits and / _ . : + - (for example /dev/disk/by-id/nvme-...)")  # fmt: skip
+    if directory is not None:
+        _check_host_path("spec.ssd.directory", directory)
+    check_labels("spec.nodeSelector", r.get("nodeSelector", dict, {}))
+    check_labels("spec.metrics.serviceMonitor.labels", r.get("metrics.serviceMonitor.labels", dict, {}))
     parsed = CacheSpec(
         image=r.get("image", str),
         image_pull_policy=r.get("imagePullPolicy", str, "IfNotPresent"),

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from flatcake.errors import ConfigError
+
 MOONCAKE_BLOCK_TOKENS = 512
 GENERIC = "flatcake-trace/1"
 
@@ -29,8 +31,14 @@ MOONCAKE_TRACE = Path(__file__).with_name("data") / "mooncake_conversation_trace
 """Mooncake's released conversation trace, shipped compressed (data/README.md)."""
 
 
-class TraceError(ValueError):
-    """A trace line that cannot be used, with its file and line number."""
+# Every integer a trace holds is bounded: the stats and the replay carry them in int64 arrays and
+# floats, where a 400-digit token count (valid JSON) became an OverflowError traceback.
+INT64_MAX = (1 << 63) - 1
+MAX_BLOCK_TOKENS = 1 << 20
+
+
+class TraceError(ConfigError):
+    """A trace line that cannot be used, with its file, line number and field (CLI exit code 2)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,7 @@ class TraceRequest:
         return json.dumps(data)
 
 
-def _field(obj: dict[str, Any], name: str, kind: type, where: str) -> Any:
+def _field(obj: dict[str, Any], name: str, kind: type, where: str, high: int = INT64_MAX) -> Any:
     if name not in obj:
         raise TraceError(f"{where}: missing field '{name}'")
     value = obj[name]
@@ -71,6 +79,11 @@ def _field(obj: dict[str, Any], name: str, kind: type, where: str) -> Any:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not ok:
         raise TraceError(f"{where}: field '{name}' is {type(value).__name__}, expected {kind.__name__}")
+    if kind is float and not math.isfinite(value):  # json reads NaN, Infinity and 1e999 as floats
+        raise TraceError(f"{where}: field '{name}' is {value}; expected a finite number")
+    if kind in (int, float) and abs(value) > high:
+        shown = str(value) if len(str(value)) <= 24 else str(value)[:24] + "..."
+        raise TraceError(f"{where}: field '{name}' is {shown}; expected at most {high}")
     return value
 
 
@@ -88,20 +101,23 @@ def parse_line(line: str, where: str) -> TraceRequest:
     ids = _field(obj, "hash_ids", list, where)
     if ts < 0 or inp < 0 or out < 0:
         raise TraceError(f"{where}: timestamp, input_length and output_length must be >= 0")
-    if not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
-        raise TraceError(f"{where}: field 'hash_ids' must hold integers")
+    if not all(isinstance(h, int) and not isinstance(h, bool) and -INT64_MAX - 1 <= h <= INT64_MAX for h in ids):
+        raise TraceError(f"{where}: field 'hash_ids' must hold integers that fit in 64 bits")
     block = MOONCAKE_BLOCK_TOKENS
     session = turn = None
     if generic:
-        block = int(obj.get("block_tokens", MOONCAKE_BLOCK_TOKENS))
+        if "block_tokens" in obj:
+            block = _field(obj, "block_tokens", int, where, high=MAX_BLOCK_TOKENS)
         session = str(_field(obj, "session", str, where))
         turn = _field(obj, "turn", int, where)
-        if block <= 0 or turn < 1:
-            raise TraceError(f"{where}: block_tokens must be > 0 and turn >= 1")
-    if len(ids) != math.ceil(inp / block):
+        if block <= 0:
+            raise TraceError(f"{where}: field 'block_tokens' is {block}; expected 1 to {MAX_BLOCK_TOKENS}")
+        if turn < 1:
+            raise TraceError(f"{where}: field 'turn' is {turn}; expected >= 1")
+    blocks = -(-inp // block)  # integer ceiling: a float quotient overflows on huge lengths
+    if len(ids) != blocks:
         raise TraceError(
-            f"{where}: {len(ids)} hash_ids for input_length {inp}; expected ceil({inp} / {block}) = "
-            f"{math.ceil(inp / block)}"
+            f"{where}: {len(ids)} hash_ids for input_length {inp}; expected ceil({inp} / {block}) = {blocks}"
         )
     return TraceRequest(ts, inp, out, tuple(ids), session, turn, block)
 

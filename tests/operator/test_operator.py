@@ -309,6 +309,59 @@ async def test_schema_rejects_what_it_can_express(cluster: Cluster) -> None:
     assert await cluster.get(K.CACHES, CACHE) is None
 
 
+async def test_schema_rejects_names_that_make_invalid_objects(cluster: Cluster) -> None:
+    """Names the API server admits for any object but that make an invalid Service or label: refused
+    at admission, naming metadata.name."""
+    for name in ("c" * 56, "my.cache", "9lives", "Main"):
+        body = cache_body()
+        body["metadata"]["name"] = name
+        status, answer = await cluster.call("POST", K.CACHES.path(NS), body)
+        assert status == 422 and "metadata.name" in answer["message"], (name, answer)
+    body = cache_body(nodeSelector={"pool": "x" * 64})
+    status, answer = await cluster.call("POST", K.CACHES.path(NS), body)
+    assert status == 422 and "nodeSelector" in answer["message"], answer
+
+
+async def test_a_cache_admitted_with_an_unusable_name_is_degraded_not_retried(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache admitted by an older CRD (upgrading a CRD does not revalidate objects) whose name cannot
+    name a Service: Degraded naming metadata.name, and nothing is sent for the API server to refuse."""
+    from tests.support import kube_api
+
+    schema = kube_api.crd_schema("flatcake.io", "flatcakecaches")
+    monkeypatch.delitem(schema["properties"], "metadata")  # the CRD before names were checked
+    name = "my.cache-" + "n" * 50
+    body = cache_body()
+    body["metadata"]["name"] = name
+    async with running_operator(cluster.api):
+        await cluster.create(K.CACHES, body)
+
+        async def degraded() -> dict[str, Any] | None:
+            obj = await cluster.get(K.CACHES, name) or {}
+            conds = obj.get("status", {}).get("conditions", [])
+            c = next((c for c in conds if c["type"] == "Degraded"), {})
+            return c if c.get("status") == "True" else None
+
+        cond = await cluster.wait(degraded, "Degraded")
+        assert cond["reason"] == "InvalidSpec" and cond["message"].startswith("metadata.name:")
+        assert f"{name}-metrics" in cond["message"] and "at most 55" in cond["message"]
+    for plural in ("services", "daemonsets", "configmaps"):
+        assert cluster.requests("POST", plural) == 0, plural
+
+
+async def test_an_object_the_api_server_refuses_degrades_the_cache(cluster: Cluster) -> None:
+    """What the operator cannot foresee (a 422 from the API server's own validation) is a Degraded
+    condition quoting the refusal, not an error retried every few seconds forever."""
+    api: Any = cluster.api
+    api.refusals[("POST", "daemonsets")] = 'DaemonSet.apps "main-agent" is invalid: spec.template: refused'
+    async with running_operator(cluster.api):
+        await cluster.create(K.CACHES, cache_body())
+        cond = await _degraded_with(cluster, "the API server refused")
+        assert cond["reason"] == "InvalidSpec" and "main-agent" in cond["message"] and "HTTP 422" in cond["message"]
+    assert cluster.requests("POST", "daemonsets") == 1  # tried once, not retried at RETRY_SECONDS
+
+
 async def test_invalid_spec_is_degraded_naming_the_field(cluster: Cluster) -> None:
     """More DRAM than the nodes' allocatable hugepages: admitted by the schema, refused by the operator."""
     async with running_operator(cluster.api):

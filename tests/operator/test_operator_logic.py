@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -218,6 +219,80 @@ def test_agent_runs_with_no_privilege_but_ipc_lock() -> None:
     assert pod["hostPID"] is False
     assert not any(v["name"] == "hugepages" for v in pod["volumes"])
     assert any(m.get("mountPropagation") == "Bidirectional" for m in pod["initContainers"][0]["volumeMounts"])
+
+
+@pytest.mark.unit
+def test_every_name_the_crd_admits_makes_valid_objects() -> None:
+    """The longest and shortest names the schema admits make a valid Service name and label values;
+    one longer, or not a DNS-1035 label, is refused by the schema and by the operator alike."""
+    import jsonschema
+
+    dns1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    for name in ("a", "z" + "9" * 53 + "x", "cache-" + "a" * 49):
+        admit("flatcake.io", "flatcakecaches", {"metadata": {"name": name}, "spec": spec()})
+        cache = render.Cache(name, "kv", "uid")
+        render.check_cache(cache)
+        parsed = parse_spec(spec())
+        service = render.service(parsed, cache)["metadata"]["name"]
+        assert len(service) <= 63 and dns1035.match(service)
+        assert all(len(v) <= 63 for v in render.labels(cache).values())
+    for name in ("a" * 56, "a.b", "1a", "a-", "A"):
+        with pytest.raises(jsonschema.ValidationError):
+            admit("flatcake.io", "flatcakecaches", {"metadata": {"name": name}, "spec": spec()})
+        with pytest.raises(SpecError, match="^metadata.name: .* DNS-1035 label"):
+            render.check_cache(render.Cache(name, "kv", "uid"))
+
+
+@pytest.mark.unit
+def test_a_socket_path_too_long_for_a_unix_socket_is_refused() -> None:
+    render.check_cache(render.Cache("a" * 40, "n" * 41, "uid"))  # 81 together: 107 bytes
+    with pytest.raises(SpecError, match=r"^metadata.name: the agent's socket .* 108 bytes, over the 107"):
+        render.check_cache(render.Cache("a" * 41, "n" * 41, "uid"))
+
+
+@pytest.mark.unit
+def test_spec_values_that_land_in_labels_and_paths_are_checked() -> None:
+    """The operator's own checks (a cache admitted before the schema had its patterns gets them too)."""
+    cases: dict[str, tuple[tuple[str, ...], Any]] = {
+        "spec.nodeSelector": (("nodeSelector",), {"bad key!": "x"}),
+        "spec.nodeSelector.pool": (("nodeSelector",), {"pool": "-x"}),
+        "spec.metrics.serviceMonitor.labels.release": (("metrics", "serviceMonitor", "labels"), {"release": "a b"}),
+        "spec.ssd.devices[1]": (("ssd", "devices"), ["/dev/nvme0n1", "/dev/../etc/passwd"]),
+        "spec.ssd.directory": (("ssd", "directory"), "/data/../etc"),
+    }
+    for field, (path, value) in cases.items():
+        body = spec()  # admitted, then changed behind the schema's back
+        node = body
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = value
+        if path[-1] == "directory":
+            del body["ssd"]["devices"]
+        with pytest.raises(SpecError, match=f"^{re.escape(field)}: "):
+            parse_spec(body)
+    ok = parse_spec(
+        spec(
+            nodeSelector={"example.com/pool": "fast_1.a"},
+            ssd={"devices": ["/dev/disk/by-path/pci-0000:01:00.0-nvme-1"]},
+        )
+    )
+    assert ok.devices == ("/dev/disk/by-path/pci-0000:01:00.0-nvme-1",)
+
+
+@pytest.mark.unit
+def test_hugepage_shares_are_one_host_folder_for_prepare_and_reclaim() -> None:
+    """Caches on one node add their hugepage shares in one folder: every cache renders the same one."""
+    parsed = parse_spec(spec())
+    for cache in (CACHE, render.Cache("other", "ns2", "uid-2")):
+        config = EngineConfig.from_dict(render.engine_config(parsed, cache))
+        assert config.prepare.hugepage_shares_dir == render.HUGEPAGE_SHARES_DIR
+        ds = render.daemon_set(parsed, cache, render.engine_config(parsed, cache))["spec"]["template"]["spec"]
+        reclaim = render.reclaim_daemon_set(parsed, cache)["spec"]["template"]["spec"]
+        for pod, container in ((ds, ds["initContainers"][0]), (reclaim, reclaim["containers"][0])):
+            mount = next(m for m in container["volumeMounts"] if m["mountPath"] == render.HUGEPAGE_SHARES_DIR)
+            volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+            assert volume["hostPath"]["path"] == render.HUGEPAGE_SHARES_DIR
+        assert all(m["mountPath"] != render.HUGEPAGE_SHARES_DIR for m in ds["containers"][0]["volumeMounts"])
 
 
 @pytest.mark.unit

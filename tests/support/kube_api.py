@@ -69,6 +69,9 @@ class ApiServer(kmock.KubernetesEmulator):
     # Faults to inject: (HTTP method, plural) -> how many of the next such requests fail with a 500
     # before anything is stored (kmock's own reactions answer after storing).
     faults: dict[tuple[str, str], int] = attrs.field(factory=dict)
+    # Objects the real API server would refuse (its validation of built-in kinds is not emulated):
+    # (HTTP method, plural) -> the message of a 422 Invalid answered to every such request.
+    refusals: dict[tuple[str, str], str] = attrs.field(factory=dict)
 
     async def _handle(self, request: Any) -> Any:
         res = request.resource
@@ -77,6 +80,8 @@ class ApiServer(kmock.KubernetesEmulator):
         if self.faults.get(key, 0) > 0:
             self.faults[key] -= 1
             raise kmock.KubernetesError(status=500, reason="InternalError", message="injected fault")
+        if key in self.refusals:
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=self.refusals[key])
         if (
             res is not None
             and request.action in (kmock.action.CREATE, kmock.action.UPDATE)

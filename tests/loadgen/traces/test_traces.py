@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from flatcake.cli import main
+from flatcake.errors import ConfigError
 from flatcake.loadgen.traces import stats as ts
 from flatcake.loadgen.traces.formats import (
     MOONCAKE_TRACE,
@@ -54,6 +55,37 @@ def lines(*text: str) -> list[TraceRequest]:
 def test_parse_errors_name_the_line_and_field(bad: str, message: str) -> None:
     with pytest.raises(TraceError, match=message):
         lines(GOOD, bad)
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ('{"timestamp": NaN, "input_length": 10, "output_length": 5, "hash_ids": [1]}', "'timestamp' is nan"),
+        ('{"timestamp": 1e999, "input_length": 10, "output_length": 5, "hash_ids": [1]}', "'timestamp' is inf"),
+        ('{"timestamp": 0, "input_length": 1' + "0" * 400 + ', "output_length": 5, "hash_ids": [1]}',
+         "'input_length' is 1000"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 9' + "9" * 30 + ', "hash_ids": [1]}',
+         "'output_length' is 9999"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1' + "0" * 30 + "]}",
+         "'hash_ids' must hold integers that fit in 64 bits"),
+        ('{"session": "s", "turn": 1, "block_tokens": "abc", "timestamp": 0, "input_length": 10, '
+         '"output_length": 5, "hash_ids": [1]}', "'block_tokens' is str"),
+        ('{"session": "s", "turn": 1, "block_tokens": 0, "timestamp": 0, "input_length": 10, '
+         '"output_length": 5, "hash_ids": [1]}', "'block_tokens' is 0"),
+        ('{"session": "s", "turn": 1, "block_tokens": [512], "timestamp": 0, "input_length": 10, '
+         '"output_length": 5, "hash_ids": [1]}', "'block_tokens' is list"),
+    ],
+)  # fmt: skip
+def test_trace_stats_names_the_field_of_a_bad_number(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str, field: str
+) -> None:
+    """`flatcake trace stats` on huge numbers, a bad block_tokens and NaN timestamps: exit code 2
+    (ConfigError), the line and field named, no traceback."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD + "\n" + bad + "\n")
+    assert main(["trace", "stats", str(path), "--quiet"]) == ConfigError.exit_code
+    err = capsys.readouterr().err
+    assert f"{path}:2: field {field}" in err and "Traceback" not in err, err
 
 
 def test_generic_format_round_trips(tmp_path: Path) -> None:
