@@ -6,6 +6,8 @@ manifest (``pool.json``) that the engine (and later the agent and its clients) r
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -16,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from flatcake.errors import ConfigError
-from flatcake.node_agent.catalog.files import fsync_dir, share_fd
+from flatcake.node_agent.catalog.files import fsync_dir, share_fd, share_path
 from flatcake.node_agent.constants import ALIGN
 
 log = logging.getLogger(__name__)
@@ -169,7 +171,12 @@ def create_pool(
             share_fd(fd, gid)
             if os.fstat(fd).st_size != file_bytes:
                 os.posix_fallocate(fd, 0, file_bytes)
-            runs = contiguous_runs(fiemap_extents(fd))
+            try:
+                runs = contiguous_runs(fiemap_extents(fd))
+            except OSError as exc:  # no FIEMAP here (tmpfs, some network filesystems): extents unknown
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTTY):
+                    raise
+                runs = 0
         finally:
             os.close(fd)
         manifest.extents.append(runs)
@@ -187,7 +194,11 @@ def create_pool(
             "at extent boundaries",
             root, len(fragmented), count, max(fragmented),
         )  # fmt: skip
-    manifest.save(root, gid)
+    if not (root / MANIFEST).exists() or PoolManifest.load(root) != manifest:  # no write on a full disk when unchanged
+        manifest.save(root, gid)
+    else:
+        with contextlib.suppress(OSError):
+            share_path(root / MANIFEST, gid)
     return manifest
 
 
