@@ -90,8 +90,9 @@ def recover(
             if owner.get(key) != sid or key in entries:
                 out.superseded_pages += 1
                 continue
+            intact = read_page is None or read_page(loc) == crc
             out.verified_pages += 1
-            if read_page is not None and read_page(loc) != crc:
+            if not intact:
                 out.dropped_pages += 1
                 continue
             keep_keys.append(key)
