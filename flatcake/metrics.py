@@ -6,6 +6,7 @@ time, ``histogram`` for observed latencies); dashboards are generated from the s
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -32,6 +33,36 @@ _SPECS = [
     Spec("flatcake_agent_ready", "gauge", (), "", "1 once recovery finished and the socket is served."),
     Spec("flatcake_recovered_pages", "gauge", (), "", "Pages recovered from the journal at start-up."),
     Spec("flatcake_recovery_dropped_pages", "gauge", (), "", "Journaled pages dropped at start-up: checksum mismatch."),
+    Spec(
+        "flatcake_recovery_superseded_pages",
+        "gauge",
+        (),
+        "",
+        "Journaled pages dropped at start-up: a later record took their space or key (a damaged record hid a free).",
+    ),
+    Spec("flatcake_recovery_skipped_records", "gauge", (), "", "Damaged journal records skipped at start-up."),
+    Spec("flatcake_recovery_checked_pages", "gauge", (), "", "Pages recovery has checked so far (progress)."),
+    Spec(
+        "flatcake_agent_epoch",
+        "gauge",
+        (),
+        "",
+        "The agent's epoch: raised at every start; older allocations are fenced.",
+    ),
+    Spec(
+        "flatcake_journal_errors",
+        "counter",
+        ("kind",),
+        "",
+        "Journal writes that failed: append (the put failed, nothing published) or sync (background fsync).",
+    ),
+    Spec(
+        "flatcake_agent_dropped_connections",
+        "counter",
+        ("reason",),
+        "",
+        "Connections the agent closed: busy (max_clients), idle_timeout, frame_timeout, http_busy.",
+    ),
     # Capacity and placement.
     Spec("flatcake_capacity_bytes", "gauge", ("medium",), "bytes", "Capacity of each medium."),
     Spec("flatcake_used_bytes", "gauge", ("medium",), "bytes", "Space held by scopes on each medium."),
@@ -48,6 +79,16 @@ _SPECS = [
     Spec("flatcake_pages_missing", "counter", (), "", "Pages a restore could not read (left to recompute)."),
     Spec("flatcake_io_errors", "counter", ("kind",), "", "I/O errors by kind (errno name, short_read, write)."),
     Spec("flatcake_staging_waits", "counter", (), "", "Restores that waited for a staging window."),
+    Spec(
+        "flatcake_verify_failures",
+        "counter",
+        (),
+        "",
+        "Restored pages whose bytes did not match their checksum (served as a miss, never as data).",
+    ),
+    Spec(
+        "flatcake_fenced_writes", "counter", (), "", "Puts refused before writing: allocated before an agent restart."
+    ),
     Spec("flatcake_write_bytes", "counter", ("kind",), "bytes", "Bytes written: logical, dram, ssd."),
     # Serving (the emulator, or an inference engine's scheduler hook).
     Spec("flatcake_requests", "counter", ("system",), "", "Requests served."),
@@ -191,10 +232,26 @@ STATS_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "write_bytes_dram": ("flatcake_write_bytes", ("dram",)),
     "write_bytes_ssd": ("flatcake_write_bytes", ("ssd",)),
     "write_errors": ("flatcake_io_errors", ("write",)),
+    "verify_failures": ("flatcake_verify_failures", ()),
+    "fenced_writes": ("flatcake_fenced_writes", ()),
 }
+
+DROP_REASONS = ("busy", "idle_timeout", "frame_timeout", "http_busy")
 
 
 IO_ERROR_KINDS = ("eio", "short_read", "write")
+
+# What a client may report to the agent: the engine's Stats counters (not peaks) and io_errors_<kind>
+# for an errno name; anything else is refused, so clients cannot mint Prometheus series.
+CLIENT_STATS = frozenset({*STATS_MAP, "put_pages", "restores", "write_commands", "dram_hugepage_fallback"})
+IO_ERROR_NAMES = frozenset(
+    {"io_errors_short_read", "io_errors_other"} | {f"io_errors_{n.lower()}" for n in errno.errorcode.values()}
+)
+MAX_STAT_DELTA = (1 << 63) - 1
+
+
+def is_client_stat(name: object) -> bool:
+    return isinstance(name, str) and (name in CLIENT_STATS or name in IO_ERROR_NAMES)
 
 
 def stats_families(counts: dict[str, int]) -> list[Metric]:

@@ -20,8 +20,10 @@ from flatcake.node_agent.constants import (
     HUGEPAGE_SIZES,
     IO_BACKENDS,
     JOURNAL_FSYNC_POLICIES,
+    MAX_FRAME,
     MAX_NODE_ID,
     SCHEDULER_POLICIES,
+    VERIFY_READS,
     watermark_problem,
 )
 
@@ -75,6 +77,7 @@ class IOConfig:
     staging_layers: int = 2  # slots per restore stream: double buffering
     staging_slot_bytes: int = 8 * MiB
     streams: int = 4  # concurrent restores; more wait for a window
+    verify_reads: str = "ssd"  # off | ssd | all: check restored pages against their crc32 (a mismatch is a miss)
 
 
 @dataclass(frozen=True)
@@ -95,11 +98,18 @@ class PrepareConfig:
 @dataclass(frozen=True)
 class AgentConfig:
     socket: str = "/run/flatcake/agent.sock"  # control socket, mode 0660
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "0.0.0.0"  # Prometheus scrapes the pod IP; 127.0.0.1 keeps it on the node
     metrics_port: int = 9470  # /metrics, /healthz, /readyz
+    http_timeout_s: float = 5.0  # an HTTP connection silent this long is closed
+    http_max_connections: int = 64  # HTTP connections served at once; more are closed at accept
     journal_fsync: str = "interval"  # always | interval | never (see node_agent/journal.py)
     journal_fsync_ms: int = 100
     verify_on_recovery: bool = True  # re-read every journaled page and check its crc32 at start-up
+    max_clients: int = 1024  # control connections at once; more are answered `busy` and closed
+    frame_timeout_s: float = 10.0  # a started frame must arrive whole, and a new connection register, within it
+    idle_timeout_s: float = 0.0  # close a registered client silent this long (0: never; clients stay connected)
+    frame_budget_bytes: int = 64 * MiB  # request bytes being received across all connections
+    group: str = ""  # group given the socket, pools and journal (mode 0660); empty: the agent's own
 
 
 @dataclass(frozen=True)
@@ -156,6 +166,9 @@ class EngineConfig:
             raise ConfigError(f"ssd.low_watermark/high_watermark: {problem}")
         if self.dram.bytes < 0:
             raise ConfigError(f"dram.bytes: {self.dram.bytes} must be >= 0")
+        if not self.dram.name or "/" in self.dram.name or self.dram.name in (".", ".."):
+            raise ConfigError(f"dram.name: {self.dram.name!r} must be a plain file name (no '/', not '.' or '..'); "
+                              "the pool file is created inside dram.shm_dir or the hugetlbfs mount")  # fmt: skip
         _positive(self.io, "workers", "staging_layers", "streams", prefix="io.")
         if self.io.gap_bytes < 0:
             raise ConfigError(f"io.gap_bytes: {self.io.gap_bytes} must be >= 0")
@@ -167,7 +180,16 @@ class EngineConfig:
         _one_of(self.agent.journal_fsync, JOURNAL_FSYNC_POLICIES, "agent.journal_fsync")
         if not 0 <= self.agent.metrics_port <= 65535:
             raise ConfigError(f"agent.metrics_port: {self.agent.metrics_port} is not a TCP port (0 picks a free one)")
-        _positive(self.agent, "journal_fsync_ms", prefix="agent.")
+        _positive(self.agent, "journal_fsync_ms", "http_max_connections", "max_clients", prefix="agent.")
+        for name in ("http_timeout_s", "frame_timeout_s"):
+            if not getattr(self.agent, name) > 0:
+                raise ConfigError(f"agent.{name}: {getattr(self.agent, name)} must be > 0 seconds")
+        if not self.agent.idle_timeout_s >= 0:
+            raise ConfigError(f"agent.idle_timeout_s: {self.agent.idle_timeout_s} must be >= 0 (0: never)")
+        if self.agent.frame_budget_bytes < MAX_FRAME:
+            raise ConfigError(f"agent.frame_budget_bytes: {self.agent.frame_budget_bytes} must be at least one "
+                              f"whole frame ({MAX_FRAME} bytes)")  # fmt: skip
+        _one_of(self.io.verify_reads, VERIFY_READS, "io.verify_reads")
         _one_of(self.prepare.hugepage_size, HUGEPAGE_SIZES, "prepare.hugepage_size")
         if self.prepare.devices and not Path(self.ssd.dir).is_relative_to(self.prepare.mount):
             raise ConfigError(f"ssd.dir: {self.ssd.dir} must lie under prepare.mount ({self.prepare.mount}) "

@@ -24,6 +24,11 @@ SCHEDULER_POLICIES = ("mas", "fcfs")
 IO_BACKENDS = ("auto", "posix", "kvikio")
 JOURNAL_FSYNC_POLICIES = ("always", "interval", "never")
 EXTENT_POLICIES = ("warn", "refuse")
+VERIFY_READS = ("off", "ssd", "all")
+"""Which restored pages a reader checks against their published crc32: none, SSD pages, or all."""
+
+MAX_FRAME = 16 << 20
+"""Largest control-protocol frame: a 65,536-key lookup of 64-character keys fits with room to spare."""
 
 
 def watermark_problem(low: float, high: float) -> str | None:

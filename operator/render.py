@@ -328,6 +328,14 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
                                 "allowPrivilegeEscalation": False,
                                 "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
                             },
+                            # /healthz answers from process start, through recovery (which may take minutes on
+                            # a large cache); the startup probe gives a slow start room before liveness counts,
+                            # and readiness waits on /readyz (503 while recovering).
+                            "startupProbe": {
+                                "httpGet": {"path": "/healthz", "port": "metrics"},
+                                "periodSeconds": 5,
+                                "failureThreshold": 120,
+                            },
                             "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}, "periodSeconds": 5},
                             "livenessProbe": {
                                 "httpGet": {"path": "/healthz", "port": "metrics"},
@@ -371,6 +379,7 @@ def reclaim_daemon_set(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
         "ports": [],
     })  # fmt: skip
     del container["livenessProbe"]
+    del container["startupProbe"]
     ds["metadata"] = _meta(cache, names(cache)["reclaim"], "reclaim")
     del ds["metadata"]["ownerReferences"]  # it runs while the cache is being deleted
     ds["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] = "reclaim"

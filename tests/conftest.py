@@ -41,7 +41,7 @@ def agent_thread(tmp_path: Path) -> Iterator[Callable[..., AgentThread]]:
         a.stop()
 
 
-TIERS = ("unit", "integration", "system")
+TIERS = ("unit", "integration", "system", "faults")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -52,4 +52,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if len(tiers := [m.name for m in item.iter_markers() if m.name in TIERS]) != 1
     ]
     if wrong:
-        raise pytest.UsageError("tests need exactly one tier marker (unit, integration, system):\n" + "\n".join(wrong))
+        raise pytest.UsageError(
+            "tests need exactly one tier marker (unit, integration, system, faults):\n" + "\n".join(wrong)
+        )

@@ -1,9 +1,13 @@
 """The agent's append-only journal: what is published and what is reclaimed, to survive a restart.
 
-Record: ``length u32 | crc32 u32 | msgpack payload``. A record is appended (and, by policy, synced)
-before the keys it describes become visible, so a restarted agent knows every key any client was
-told about. A crash can leave a torn last record: replay stops at the first record whose length or
-checksum does not hold and truncates the file there.
+Record: ``magic u32 | length u32 | crc32(payload) u32 | crc32(first 12 bytes) u32 | msgpack payload``.
+Every record is framed and checksummed on its own: replay skips a damaged record (and counts it)
+by searching for the next magic whose header checksum holds, so one bad byte costs one record, not
+everything after it. A record is appended (and, by policy, synced) before the keys it describes
+become visible, so a restarted agent knows every key any client was told about.
+
+An append is one ``write``; a short or failed write (a full disk, EIO) is cut back off the file and
+raises ``StorageWriteError``, so the put fails and the journal stays a sequence of whole records.
 
 fsync policy (``journal_fsync``):
 - ``always``: fsync before a publish is acknowledged. Survives power loss; costs a disk flush per put.
@@ -15,57 +19,123 @@ fsync policy (``journal_fsync``):
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
+from flatcake.errors import StorageWriteError
+from flatcake.node_agent.catalog.files import fsync_dir, share_fd
 from flatcake.node_agent.constants import JOURNAL_FSYNC_POLICIES as POLICIES
 from flatcake.node_agent.policy.placement import Key
 from flatcake.node_agent.policy.scopes import Location, Scope
 
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<II")
+MAGIC = b"FCJ2"
+_HEADER = struct.Struct("<4sIII")  # magic, length, payload crc, header crc (of the first 12 bytes)
+_V1_HEADER = struct.Struct("<II")  # the first format: length, crc; read for upgrades only
 MAX_RECORD = 64 << 20
 
 
+def encode(record: dict[str, Any]) -> bytes:
+    payload: bytes = msgpack.packb(record, use_bin_type=True)
+    head = struct.pack("<4sII", MAGIC, len(payload), zlib.crc32(payload))
+    return head + struct.pack("<I", zlib.crc32(head)) + payload
+
+
+@dataclass
+class ReplayReport:
+    """What replay found besides whole records: damage it skipped."""
+
+    records: int = 0
+    skipped_records: int = 0  # damaged spans in the middle, each skipped
+    skipped_bytes: int = 0
+    torn_bytes: int = 0  # an incomplete last record, cut off the file
+
+
 class Journal:
-    def __init__(self, path: str | os.PathLike[str], fsync: str = "interval", fsync_ms: int = 100) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        fsync: str = "interval",
+        fsync_ms: int = 100,
+        *,
+        gid: int = -1,
+        write: Callable[[int, bytes], int] = os.write,
+    ) -> None:
         if fsync not in POLICIES:
             raise ValueError(f"journal_fsync: {fsync!r} must be one of {POLICIES}")
         self.path = Path(path)
         self.policy = fsync
+        self._gid = gid
+        self._write = write  # os.write; tests inject short writes and errors here
         self._lock = threading.Lock()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._fd = self._open()
+        self._size = os.fstat(self._fd).st_size
         self._dirty = False
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         self.records = 0
+        self.append_errors = 0
+        self.sync_errors = 0
         if fsync == "interval":
             self._flusher = threading.Thread(target=self._flush_loop, args=(fsync_ms / 1000,), daemon=True)
             self._flusher.start()
 
+    def _open(self) -> int:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o660)
+        share_fd(fd, self._gid)
+        return fd
+
     def append(self, record: dict[str, Any]) -> None:
-        payload = msgpack.packb(record, use_bin_type=True)
-        frame = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+        """Append one record; raises ``StorageWriteError`` with the journal unchanged if it cannot."""
+        frame = encode(record)
         with self._lock:
-            os.write(self._fd, frame)  # O_APPEND: one write, one record
+            start = self._size
+            try:
+                n = self._write(self._fd, frame)  # O_APPEND: one write, one record
+                if n != len(frame):
+                    raise OSError(errno.ENOSPC, f"short write: {n} of {len(frame)} bytes (disk full?)")
+                if self.policy == "always":
+                    os.fsync(self._fd)
+            except OSError as exc:
+                self.append_errors += 1
+                self._cut(start)
+                raise StorageWriteError(
+                    exc.errno, f"journal {self.path}: append failed ({exc.strerror or exc}); nothing was published. "
+                    "Free space on the journal's filesystem (ssd.dir) or replace the failing device",
+                ) from exc  # fmt: skip
+            self._size = start + n
             self.records += 1
+            self._dirty = self.policy != "always"
+
+    def _cut(self, size: int) -> None:
+        """Remove a partly written record so the next append follows a whole one. Should even this
+        fail, replay still skips the fragment by its framing."""
+        try:
+            os.ftruncate(self._fd, size)
             if self.policy == "always":
                 os.fsync(self._fd)
-            else:
-                self._dirty = True
+        except OSError as exc:
+            log.error("journal %s: could not cut a failed append back to %d bytes: %s", self.path, size, exc)
+            self._size = os.fstat(self._fd).st_size
 
     def _flush_loop(self, period: float) -> None:
         while not self._stop.wait(period):
-            self.sync()
+            try:
+                self.sync()
+            except OSError as exc:  # counted and logged; the next period tries again
+                self.sync_errors += 1
+                log.error("journal %s: background fsync failed: %s", self.path, exc)
 
     def sync(self) -> None:
         with self._lock:
@@ -77,42 +147,123 @@ class Journal:
         self._stop.set()
         if self._flusher is not None:
             self._flusher.join()
-        self.sync()
-        os.close(self._fd)
+        try:
+            self.sync()
+        finally:
+            os.close(self._fd)
 
     def rewrite(self, records: list[dict[str, Any]]) -> None:
-        """Replace the journal with ``records`` (a snapshot), atomically."""
+        """Replace the journal with ``records`` (a snapshot), atomically and durably: the new file is
+        synced, renamed over the old one, and the directory synced so the rename survives power loss."""
         tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            for record in records:
-                payload = msgpack.packb(record, use_bin_type=True)
-                f.write(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660)
+            try:
+                share_fd(fd, self._gid)
+                data = b"".join(map(encode, records))
+                view = memoryview(data)
+                while view:  # os.write may write less than asked
+                    n = os.write(fd, view)
+                    if n == 0:
+                        raise OSError(errno.ENOSPC, "no progress writing the compacted journal")
+                    view = view[n:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         with self._lock:
             os.replace(tmp, self.path)
+            fsync_dir(self.path.parent)
             os.close(self._fd)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            self._fd = self._open()
+            self._size = os.fstat(self._fd).st_size
             self.records = len(records)
 
 
-def replay(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Records in order; a torn or corrupt tail is logged and cut off the file."""
+def _frame_at(data: bytes, at: int) -> tuple[bytes, int] | None:
+    """The payload of a whole, intact record at ``at`` and where the next begins, or None."""
+    end = at + _HEADER.size
+    if end > len(data):
+        return None
+    magic, length, crc, hcrc = _HEADER.unpack_from(data, at)
+    if magic != MAGIC or zlib.crc32(data[at : at + 12]) != hcrc or length > MAX_RECORD:
+        return None
+    body = data[end : end + length]
+    if len(body) != length or zlib.crc32(body) != crc:
+        return None
+    return body, end + length
+
+
+def _decode(body: bytes) -> dict[str, Any] | None:
+    try:
+        record = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception:  # msgpack raises several unrelated types; the checksum held, so a writer bug
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def replay(path: str | os.PathLike[str], report: ReplayReport | None = None) -> Iterator[dict[str, Any]]:
+    """Records in order. A damaged record in the middle is skipped and counted in ``report``; an
+    incomplete last record (a crash mid-append) is cut off the file."""
     path = Path(path)
+    report = report if report is not None else ReplayReport()
     if not path.exists():
         return
     data = path.read_bytes()
-    at = 0
+    if _is_v1(data):
+        yield from _replay_v1(path, data, report)
+        return
+    at, good_end = 0, 0
     while at < len(data):
-        if at + _HEADER.size > len(data):
+        frame = _frame_at(data, at)
+        record = _decode(frame[0]) if frame is not None else None
+        if frame is not None and record is not None:
+            report.records += 1
+            yield record
+            at = good_end = frame[1]
+            continue
+        nxt = data.find(MAGIC, at + 1)
+        while nxt >= 0 and _frame_at(data, nxt) is None:  # the magic may occur inside a payload
+            nxt = data.find(MAGIC, nxt + 1)
+        if nxt < 0:
             break
-        length, crc = _HEADER.unpack_from(data, at)
-        body = data[at + _HEADER.size : at + _HEADER.size + length]
-        if length > MAX_RECORD or len(body) != length or zlib.crc32(body) != crc:
+        report.skipped_records += 1
+        report.skipped_bytes += nxt - at
+        log.error("%s: skipping a damaged record of %d bytes at offset %d", path, nxt - at, at)
+        at = nxt
+    if good_end < len(data):
+        report.torn_bytes = len(data) - good_end
+        log.warning("%s: dropping a torn or corrupt tail of %d bytes at offset %d", path, report.torn_bytes, good_end)
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+
+
+def _is_v1(data: bytes) -> bool:
+    """A journal of the first format begins with a whole v1 record (a v2 one with a damaged magic
+    does not pass the v1 checksum, so it is still read as v2 and only that record is lost)."""
+    if len(data) < _V1_HEADER.size or data.startswith(MAGIC):
+        return False
+    length, crc = _V1_HEADER.unpack_from(data)
+    body = data[_V1_HEADER.size : _V1_HEADER.size + length]
+    return len(body) == length and zlib.crc32(body) == int(crc)
+
+
+def _replay_v1(path: Path, data: bytes, report: ReplayReport) -> Iterator[dict[str, Any]]:
+    """The first format (no magic, no header checksum): read once, rewritten by compaction."""
+    at = 0
+    while at + _V1_HEADER.size <= len(data):
+        length, crc = _V1_HEADER.unpack_from(data, at)
+        body = data[at + _V1_HEADER.size : at + _V1_HEADER.size + length]
+        record = _decode(body) if length <= MAX_RECORD and len(body) == length and zlib.crc32(body) == crc else None
+        if record is None:
             break
-        yield msgpack.unpackb(body, raw=False, strict_map_key=False)
-        at += _HEADER.size + length
+        report.records += 1
+        yield record
+        at += _V1_HEADER.size + length
     if at < len(data):
+        report.torn_bytes = len(data) - at
         log.warning("%s: dropping a torn or corrupt tail of %d bytes at offset %d", path, len(data) - at, at)
         with open(path, "r+b") as f:
             f.truncate(at)

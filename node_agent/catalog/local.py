@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-from flatcake.errors import UnknownHandleError, UnknownKeyError
+from flatcake.errors import FencedError, UnknownHandleError, UnknownKeyError
 from flatcake.node_agent.catalog.journal import Journal, publish_record
 from flatcake.node_agent.config import PlacementConfig
 from flatcake.node_agent.policy.gva import Medium
@@ -38,14 +38,17 @@ class Allocation:
     reason: str
     segments: list[Segment] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
+    epoch: int = 0  # the agent's epoch when allocated (0: no agent, nothing to fence)
 
 
 @dataclass(frozen=True)
 class Lease:
-    """Pinned locations of a get's pages, held until released."""
+    """Pinned locations of a get's pages, held until released, with each page's crc32 as published
+    (empty when the catalog does not know them) so the reader can verify what it read."""
 
     id: int
     locations: list[Location]
+    checksums: list[int] = field(default_factory=list)
 
 
 class Catalog(Protocol):
@@ -69,8 +72,11 @@ def page_checksum(pages: Any, j: int) -> int:
 class LocalCatalog:
     """``ScopeTable`` plus placement, handles and (optionally) the journal."""
 
-    def __init__(self, table: ScopeTable, placement: PlacementConfig, journal: Journal | None = None) -> None:
+    def __init__(
+        self, table: ScopeTable, placement: PlacementConfig, journal: Journal | None = None, epoch: int = 0
+    ) -> None:
         self.table = table
+        self.epoch = epoch
         self.placement = placement
         self.placements = PlacementCounts()
         self.journal = journal
@@ -82,6 +88,8 @@ class LocalCatalog:
         table.on_free = self._freed
 
     def _freed(self, scope: Scope) -> None:
+        # Called before the scope's space is released; if the record cannot be written this raises and
+        # the space stays with the scope, so no later writer overwrites pages a restart would revive.
         if self.journal is not None:
             self.journal.append({"t": "free", "scope": scope.id})
         for key in scope.keys:
@@ -100,7 +108,9 @@ class LocalCatalog:
         alloc_id = next(self._ids)
         with self._lock:
             self._allocs[alloc_id] = (res, new)
-        return Allocation(alloc_id, new, res.scope.medium, res.decision.reason.value, res.segments, res.slots)
+        return Allocation(
+            alloc_id, new, res.scope.medium, res.decision.reason.value, res.segments, res.slots, self.epoch
+        )
 
     def _take(self, alloc_id: int) -> Reservation:
         with self._lock:
@@ -109,13 +119,24 @@ class LocalCatalog:
             raise UnknownHandleError(f"allocation {alloc_id}: unknown (published, aborted or expired)")
         return entry[0]
 
-    def publish(self, alloc_id: int, checksums: Sequence[int]) -> None:
+    def publish(self, alloc_id: int, checksums: Sequence[int], epoch: int | None = None) -> None:
+        """Make an allocation's pages visible. ``epoch`` (when given) must be this catalog's: an
+        allocation from before an agent restart is refused with ``FencedError``."""
+        if epoch is not None and epoch != self.epoch:
+            raise FencedError(
+                f"epoch: allocation {alloc_id} was made in agent epoch {epoch}, the agent is now in epoch "
+                f"{self.epoch} (it restarted); nothing was published, put the pages again"
+            )
         res = self._take(alloc_id)
         if len(checksums) != len(res.keys):
             self.table.abort(res)
             raise ValueError(f"checksums: {len(checksums)} given for {len(res.keys)} pages; allocation aborted")
         if self.journal is not None:  # durable before visible
-            self.journal.append(publish_record(res.scope, res.keys, res.locations, res.slots, checksums))
+            try:
+                self.journal.append(publish_record(res.scope, res.keys, res.locations, res.slots, checksums))
+            except BaseException:  # not journaled, so never visible: give the keys and the space back
+                self.table.abort(res)
+                raise
         self._crc.update(zip(res.keys, checksums, strict=True))
         self.table.publish(res)
         self.placements.add(res.decision, len(res.keys))
@@ -143,7 +164,7 @@ class LocalCatalog:
         lease_id = next(self._ids)
         with self._lock:
             self._leases[lease_id] = set(map(operator.itemgetter(0), locs))
-        return Lease(lease_id, locs)
+        return Lease(lease_id, locs, [self._crc.get(k, -1) for k in keys])
 
     def release(self, lease_id: int) -> None:
         with self._lock:

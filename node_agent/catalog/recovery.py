@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flatcake.node_agent.catalog.journal import replay
+from flatcake.node_agent.catalog.journal import ReplayReport, replay
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.policy import gva as G
@@ -24,36 +24,75 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Recovered:
+    """Recovery's outcome, updated while it runs (``/readyz`` and the metrics show it live)."""
+
     scopes: int = 0
     pages: int = 0
-    dropped_pages: int = 0
+    dropped_pages: int = 0  # bytes no longer match their checksum
+    superseded_pages: int = 0  # their space or key was taken by a later record (a lost ``free``)
     records: int = 0
+    skipped_records: int = 0  # damaged journal records skipped
+    torn_bytes: int = 0
+    verified_pages: int = 0
+    total_pages: int = 0  # pages the journal names, known once it is read
+    done: bool = False
 
 
 def recover(
-    catalog: LocalCatalog, journal_path: str | os.PathLike[str], read_page: Callable[[Location], int] | None
+    catalog: LocalCatalog,
+    journal_path: str | os.PathLike[str],
+    read_page: Callable[[Location], int] | None,
+    out: Recovered | None = None,
 ) -> Recovered:
     """Rebuild the catalog from the journal. With ``read_page`` (returns a stored page's crc32), pages
-    whose bytes no longer match are dropped instead of served."""
+    whose bytes no longer match are dropped instead of served.
+
+    A damaged record is skipped (``replay``), so a ``free`` may be missing: the freed scope would then
+    come back over space that a later scope was given. Each pool file and DRAM slot therefore belongs
+    to the scope that claimed it last in the journal, and a scope that lost any of its space to a
+    later one is dropped whole; likewise a key belongs to the scope that published it last."""
+    out = out if out is not None else Recovered()
+    report = ReplayReport()
     scopes: dict[int, dict[str, Any]] = {}
-    out = Recovered()
-    for rec in replay(journal_path):
+    claims: dict[tuple[int, int], int] = {}  # (medium, file or slot) -> scope that claimed it last
+    owner: dict[Key, int] = {}  # key -> scope that published it last
+    for rec in replay(journal_path, report):
         out.records += 1
-        if rec["t"] == "free":
-            scopes.pop(rec["scope"], None)
+        try:
+            if rec["t"] == "free":
+                scopes.pop(rec["scope"], None)
+                continue
+            sid = rec["scope"]
+            s = scopes.setdefault(sid, {"medium": rec["medium"], "keys": [], "locs": [], "crc": [], "slots": []})
+            s["files"], s["cursor"] = rec["files"], rec["cursor"]
+            s["slots"].extend(rec["slots"])
+            s["keys"].extend(rec["keys"])
+            s["locs"].extend(Location(sid, g, st) for g, st in zip(rec["gva"], rec["stride"], strict=True))
+            s["crc"].extend(rec["crc"])
+        except (KeyError, TypeError, ValueError) as exc:  # checksummed but not a record this agent wrote
+            report.skipped_records += 1
+            log.error("%s: skipping a malformed record (%s)", journal_path, exc)
             continue
-        s = scopes.setdefault(rec["scope"], {"medium": rec["medium"], "keys": [], "locs": [], "crc": [], "slots": []})
-        s["files"], s["cursor"] = rec["files"], rec["cursor"]
-        s["slots"].extend(rec["slots"])
-        s["keys"].extend(rec["keys"])
-        s["locs"].extend(Location(rec["scope"], g, st) for g, st in zip(rec["gva"], rec["stride"], strict=True))
-        s["crc"].extend(rec["crc"])
+        claims.update(((int(Medium.SSD), f), sid) for f in rec["files"])
+        claims.update(((int(Medium.DRAM), slot), sid) for slot in rec["slots"])
+        owner.update(dict.fromkeys(rec["keys"], sid))
+    out.skipped_records, out.torn_bytes = report.skipped_records, report.torn_bytes
+    out.total_pages = sum(len(s["keys"]) for s in scopes.values())
     for sid, s in sorted(scopes.items()):
+        units = [(int(Medium.SSD), f) for f in s["files"]] + [(int(Medium.DRAM), x) for x in s["slots"]]
+        if any(claims.get(u) != sid for u in units):
+            out.superseded_pages += len(s["keys"])
+            continue
         keep_keys: list[Key] = []
         entries: dict[Key, Location] = {}
         checksums: dict[Key, int] = {}
         for key, loc, crc in zip(s["keys"], s["locs"], s["crc"], strict=True):
-            if read_page is not None and read_page(loc) != crc:
+            if owner.get(key) != sid or key in entries:
+                out.superseded_pages += 1
+                continue
+            intact = read_page is None or read_page(loc) == crc
+            out.verified_pages += 1
+            if not intact:
                 out.dropped_pages += 1
                 continue
             keep_keys.append(key)
@@ -68,6 +107,10 @@ def recover(
         out.pages += len(keep_keys)
     if out.dropped_pages:
         log.warning("recovery dropped %d pages whose bytes no longer match their checksum", out.dropped_pages)
+    if out.superseded_pages:
+        log.warning("recovery dropped %d pages whose space or key a later record took (a damaged record "
+                    "hid their release)", out.superseded_pages)  # fmt: skip
+    out.done = True
     return out
 
 

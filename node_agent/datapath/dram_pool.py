@@ -7,15 +7,19 @@ The region is backed by a file (hugetlbfs when 2 MiB pages are wanted and availa
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
+from flatcake.errors import CapacityError
+from flatcake.node_agent.catalog.files import share_fd
 from flatcake.node_agent.policy.slots import SlotAllocator
 
 log = logging.getLogger(__name__)
@@ -83,6 +87,7 @@ class DramPool:
         shm_dir: str = "/dev/shm",
         hugetlbfs_dir: str | None = None,
         attach_path: str | None = None,
+        gid: int = -1,
     ) -> None:
         if slot_bytes <= 0 or slots < 0:
             raise ValueError(f"dram pool: slot_bytes={slot_bytes}, slots={slots} must be positive")
@@ -92,7 +97,7 @@ class DramPool:
         if attach_path is not None:  # a client maps the agent's pool as it is
             self._mmap, self.info = _attach(attach_path, nbytes)
         else:
-            self._mmap, self.info = _map_shared(nbytes, name, want_huge_pages, shm_dir, hugetlbfs_dir)
+            self._mmap, self.info = _map_shared(nbytes, name, want_huge_pages, shm_dir, hugetlbfs_dir, gid)
         self.view: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8)
         self._registered = False
 
@@ -118,7 +123,7 @@ class DramPool:
 
 
 def _map_shared(
-    nbytes: int, name: str, want_huge: bool, shm_dir: str, hugetlbfs_dir: str | None
+    nbytes: int, name: str, want_huge: bool, shm_dir: str, hugetlbfs_dir: str | None, gid: int = -1
 ) -> tuple[mmap.mmap, DramPoolInfo]:
     reason = "huge pages not requested"
     if want_huge:
@@ -128,13 +133,22 @@ def _map_shared(
         for d in dirs:
             huge_bytes = -(-nbytes // HUGE_2M) * HUGE_2M
             try:
-                return _map_file(d / name, huge_bytes), DramPoolInfo(str(d / name), huge_bytes, True, "")
+                return _map_file(d / name, huge_bytes, gid), DramPoolInfo(str(d / name), huge_bytes, True, "")
             except OSError as exc:
                 reason = f"hugetlbfs {d}: {exc.strerror or exc} (are enough 2 MiB pages reserved?)"
                 (d / name).unlink(missing_ok=True)
         log.warning("DRAM pool falls back to normal pages: %s", reason)
     path = Path(shm_dir) / name
-    return _map_file(path, nbytes), DramPoolInfo(str(path), nbytes, False, reason)
+    try:
+        return _map_file(path, nbytes, gid), DramPoolInfo(str(path), nbytes, False, reason)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        free = shutil.disk_usage(shm_dir).free
+        raise CapacityError(
+            f"dram.bytes: the DRAM pool needs {nbytes} bytes but {shm_dir} has {free} free ({exc.strerror}); "
+            "lower dram.bytes, enlarge that tmpfs, or use huge pages (dram.huge_pages with reserved 2 MiB pages)"
+        ) from None
 
 
 def _attach(path: str, nbytes: int) -> tuple[mmap.mmap, DramPoolInfo]:
@@ -149,11 +163,21 @@ def _attach(path: str, nbytes: int) -> tuple[mmap.mmap, DramPoolInfo]:
         os.close(fd)
 
 
-def _map_file(path: Path, nbytes: int) -> mmap.mmap:
+def _map_file(path: Path, nbytes: int, gid: int = -1) -> mmap.mmap:
+    created = not path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o660)
     try:
+        share_fd(fd, gid)
         if os.fstat(fd).st_size != nbytes:
             os.ftruncate(fd, nbytes)
+        # Reserve every page now. A sparse pool on a tmpfs smaller than it maps fine, then sends SIGBUS
+        # to whichever process (an inference rank) first touches a page the tmpfs cannot supply.
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError:
+            if created:
+                path.unlink(missing_ok=True)
+            raise
         # MAP_POPULATE faults every page in now, so the first restore does not pay for it.
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:

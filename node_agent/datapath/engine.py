@@ -8,6 +8,7 @@ window and scattered into the caller's (non-contiguous) page slots.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -17,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from flatcake.errors import PoolFullError, StorageWriteError, UnknownKeyError
+from flatcake.errors import FencedError, FlatCakeError, PoolFullError, StorageWriteError, UnknownKeyError
+from flatcake.node_agent.catalog import epoch as E
 from flatcake.node_agent.catalog.local import Allocation, Catalog, LocalCatalog, page_checksum
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.constants import ALIGN
@@ -26,7 +28,7 @@ from flatcake.node_agent.datapath.buffers import aligned_empty, is_aligned
 from flatcake.node_agent.datapath.dram_pool import DramPool
 from flatcake.node_agent.datapath.file_pool import PoolManifest, create_pool
 from flatcake.node_agent.datapath.io_backends import IOBackend, select_backend
-from flatcake.node_agent.datapath.restore import Restore, WindowPool, cupy_scatter, numpy_scatter
+from flatcake.node_agent.datapath.restore import Restore, Verifier, WindowPool, cupy_scatter, numpy_scatter
 from flatcake.node_agent.datapath.stats import Stats
 from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.policy.coalesce import plan_restore
@@ -140,7 +142,12 @@ class Engine:
             pages = aligned_empty((self.config.layers, len(new), self.config.page_bytes))
             pages[...] = kv[:, new]
         try:
+            self._fence(alloc)
             self._write(alloc, pages)
+        except FencedError:
+            with contextlib.suppress(FlatCakeError, ConnectionError, OSError):  # the old agent is gone
+                self.catalog.abort(alloc.id)
+            raise
         except OSError as exc:
             self.catalog.abort(alloc.id)
             self.stats.add("write_errors")
@@ -152,6 +159,16 @@ class Engine:
         self.stats.add("put_pages", len(new))
         self.stats.add("write_bytes_logical", pages.nbytes)
         return PutResult(len(new), len(keys) - len(new), alloc.medium, alloc.reason)
+
+    def _fence(self, alloc: Allocation) -> None:
+        """Refuse to write space allocated by an agent that has since restarted: the new agent may
+        have given it to another writer, whose published pages these bytes would overwrite."""
+        if alloc.epoch and (now := E.current(self.config.ssd.dir)) != alloc.epoch:
+            self.stats.add("fenced_writes")
+            raise FencedError(
+                f"epoch: allocation {alloc.id} was made in agent epoch {alloc.epoch}, the agent is now in epoch "
+                f"{now} (it restarted); nothing was written, reconnect and put the pages again"
+            )
 
     def _write(self, alloc: Allocation, pages: npt.NDArray[np.uint8]) -> None:
         if alloc.slots:
@@ -206,6 +223,14 @@ class Engine:
                     gpu.to_device(self._dram3[dram_src, layer]) if self.on_gpu else (self._dram3[dram_src, layer])
                 )
 
+        verify = None
+        mode = c.io.verify_reads
+        if mode != "off" and lease.checksums and not self.on_gpu:
+            # GPU destinations are not verified here: checking them would copy every page back to the host.
+            want = np.asarray(lease.checksums, dtype=np.int64)
+            check = np.flatnonzero((on_ssd if mode == "ssd" else np.ones(len(locs), bool)) & (want >= 0))
+            if len(check):
+                verify = Verifier(dest, check, dst[check], want[check])
         self.stats.add("restores")
         self.stats.add("restore_pages_dram", len(dram_src))
         self.stats.add("restore_pages_ssd", len(locs) - len(dram_src))
@@ -220,6 +245,7 @@ class Engine:
             copy_dram=copy_dram,
             stats=self.stats,
             on_close=lambda: self.catalog.release(lease.id),
+            verify=verify,
         )
 
     # ---- checks ----------------------------------------------------------------------------------

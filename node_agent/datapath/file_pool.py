@@ -6,15 +6,19 @@ manifest (``pool.json``) that the engine (and later the agent and its clients) r
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import struct
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from flatcake.errors import ConfigError
+from flatcake.node_agent.catalog.files import fsync_dir, share_fd, share_path
 from flatcake.node_agent.constants import ALIGN
 
 log = logging.getLogger(__name__)
@@ -85,23 +89,49 @@ class PoolManifest:
     def total_bytes(self) -> int:
         return self.file_bytes * self.count
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path, gid: int = -1) -> None:
         tmp = directory / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660)
+        try:
+            share_fd(fd, gid)
+            with os.fdopen(fd, "w", closefd=False) as f:
+                f.write(json.dumps(asdict(self), indent=1) + "\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, directory / MANIFEST)
+        fsync_dir(directory)
 
     @classmethod
     def load(cls, directory: Path) -> PoolManifest:
+        """The manifest; a missing or damaged one is a ``ConfigError`` naming the file and the fix."""
         path = directory / MANIFEST
+        fix = "remove the pool directory to rebuild it (its cached KV is lost)"
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: no pool manifest; create the pool first") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: manifest is not valid JSON ({exc})") from None
+            raise ConfigError(f"{path}: no pool manifest; create the pool first (flatcake agent prepare)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: manifest is not valid JSON ({exc}); {fix}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: manifest must be a JSON object, got {type(data).__name__}; {fix}")
         if data.get("version") != MANIFEST_VERSION:
-            raise ValueError(f"{path}: manifest version {data.get('version')} != {MANIFEST_VERSION}")
+            raise ConfigError(f"{path}: manifest version {data.get('version')!r} != {MANIFEST_VERSION}; {fix}")
+        ok = (
+            set(data) <= {f.name for f in fields(cls)}
+            and _is_int(data.get("file_bytes")) and data["file_bytes"] > 0
+            and isinstance(data.get("files"), list) and all(isinstance(n, str) and n and "/" not in n
+                                                            for n in data["files"])
+            and isinstance(data.get("extents", []), list) and all(map(_is_int, data.get("extents", [])))
+            and _is_int(data.get("alignment", ALIGN))
+        )  # fmt: skip
+        if not ok:
+            raise ConfigError(f"{path}: manifest is damaged (fields {sorted(data)}); {fix}")
         return cls(**data)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def create_pool(
@@ -111,6 +141,7 @@ def create_pool(
     *,
     extent_policy: str = "warn",
     progress: Callable[[int, int], None] | None = None,
+    gid: int = -1,
 ) -> PoolManifest:
     """Create (or verify and reuse) a pool of ``count`` files of ``file_bytes`` each.
 
@@ -135,11 +166,17 @@ def create_pool(
     manifest = PoolManifest(file_bytes=file_bytes, files=[f"pool-{i:05d}.dat" for i in range(count)])
     for i, name in enumerate(manifest.files):
         path = root / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o660)
         try:
+            share_fd(fd, gid)
             if os.fstat(fd).st_size != file_bytes:
                 os.posix_fallocate(fd, 0, file_bytes)
-            runs = contiguous_runs(fiemap_extents(fd))
+            try:
+                runs = contiguous_runs(fiemap_extents(fd))
+            except OSError as exc:  # no FIEMAP here (tmpfs, some network filesystems): extents unknown
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTTY):
+                    raise
+                runs = 0
         finally:
             os.close(fd)
         manifest.extents.append(runs)
@@ -157,7 +194,11 @@ def create_pool(
             "at extent boundaries",
             root, len(fragmented), count, max(fragmented),
         )  # fmt: skip
-    manifest.save(root)
+    if not (root / MANIFEST).exists() or PoolManifest.load(root) != manifest:  # no write on a full disk when unchanged
+        manifest.save(root, gid)
+    else:
+        with contextlib.suppress(OSError):
+            share_path(root / MANIFEST, gid)
     return manifest
 
 

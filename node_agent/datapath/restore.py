@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import threading
 import warnings
+import zlib
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
@@ -70,11 +71,38 @@ class WindowPool:
             return (self._made - len(self._free)) * self._slots * self._slot_bytes
 
 
+class Verifier:
+    """Checks restored pages against their published crc32, layer by layer as the layers land in the
+    destination (a page's checksum runs over its layers in order), so no second pass over the bytes."""
+
+    def __init__(self, dest: npt.NDArray[np.uint8], request_index: Ints, dest_pages: Ints, expected: Ints) -> None:
+        self._dest = dest
+        self._index = request_index.tolist()
+        self._pages = dest_pages.tolist()
+        self._expected = expected.tolist()
+        self._crc = [0] * len(self._index)
+
+    def layer(self, layer: int) -> None:
+        rows = self._dest[layer]
+        crc = self._crc
+        for k, page in enumerate(self._pages):
+            crc[k] = zlib.crc32(rows[page], crc[k])
+
+    def failed(self, missing: set[int]) -> set[int]:
+        """Request indexes whose bytes do not match (pages already missing are not judged)."""
+        return {
+            i
+            for i, got, want in zip(self._index, self._crc, self._expected, strict=True)
+            if got != want and i not in missing
+        }
+
+
 class Restore(Iterator[int]):
     """Yields layer indexes in order; when layer ``l`` is yielded its bytes are in the destination.
 
     After iteration ``missing`` holds the indexes (into the requested keys) of pages whose bytes could
-    not be read (I/O error or short read): the caller recomputes those. No I/O exception escapes.
+    not be read (I/O error or short read) or, with a ``Verifier``, did not match their checksum: the
+    caller recomputes those. No I/O exception escapes.
     """
 
     def __init__(
@@ -90,8 +118,10 @@ class Restore(Iterator[int]):
         copy_dram: Callable[[int], None],
         stats: Stats,
         on_close: Callable[[], None],
+        verify: Verifier | None = None,
     ) -> None:
         self.missing: set[int] = set()
+        self._verify = verify
         self.staging_peak_bytes = 0
         self._layers, self._fills, self._dest_pages = layers, fills, dest_pages
         self._request_index = request_index  # plan index -> position in the caller's key list
@@ -171,7 +201,17 @@ class Restore(Iterator[int]):
                     staged -= fill.nbytes
                     top_up()
                 self._copy_dram(layer)
+                if self._verify is not None:
+                    self._verify.layer(layer)
                 yield layer
+            if self._verify is not None:
+                # A page that does not match what was published is never handed over as good: it is a
+                # miss the caller recomputes, like a page that failed to read.
+                bad = self._verify.failed(self.missing)
+                if bad:
+                    self.missing.update(bad)
+                    self._stats.add("verify_failures", len(bad))
+                    self._stats.add("pages_missing", len(bad))
         finally:
             for _, _, futures in inflight:  # never hand a slot back while a read may still land in it
                 for f in futures:

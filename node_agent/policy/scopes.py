@@ -89,6 +89,8 @@ def plan_reclaim(victims: Sequence[Victim], used: int, capacity: int, need: int,
     after = used + need
     if after <= high * capacity and after <= capacity:
         return []
+    if after - sum(v.units for v in victims if not v.pinned) > capacity:
+        return []  # even freeing every unpinned scope would not make room: free nothing
     target = min(low * capacity, capacity) if after > high * capacity else capacity
     chosen: list[int] = []
     for v in sorted(victims, key=lambda v: v.last_used):
@@ -193,6 +195,8 @@ class ScopeTable:
 
     def _reserve_dram(self, keys: list[Key], scope: Scope | None, decision: Decision) -> Reservation | None:
         n = len(keys)
+        if n > self.dram.slots - (len(scope.slots) if scope else 0):
+            return None  # can never fit: overflow to SSD without evicting anything first
         if self.dram.free < n:
             self._reclaim(Medium.DRAM, n, keep=scope)
         if self.dram.free < n:
@@ -215,6 +219,13 @@ class ScopeTable:
         room = (self.file_bytes - scope.cursor) // page_span if scope and scope.files else 0
         first = min(room, n)
         files_needed = -(-(n - first) // per_file)
+        owned = len(scope.files) if scope else 0
+        if files_needed > self.files - owned:  # refuse before reclaim touches anything
+            raise PoolFullError(
+                f"keys: a put of {n} pages needs {files_needed} more pool file(s) of {self.file_bytes} bytes, but "
+                f"the SSD pool has {self.files} in all ({owned} already held by this session); split the put "
+                "or enlarge ssd.file_count / ssd.file_bytes"
+            )
         if len(self._free_files) < files_needed or self._crosses_high(Medium.SSD, files_needed):
             self._reclaim(Medium.SSD, files_needed, keep=scope)
         if len(self._free_files) < files_needed:

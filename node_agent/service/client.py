@@ -83,19 +83,23 @@ class RemoteCatalog:
         self.conn = conn
         self.stats = stats
         self._reported: dict[str, int] = {}
+        self._epochs: dict[int, int] = {}  # open allocation -> the agent epoch it was made in
 
     def allocate(self, keys: Sequence[Key], hints: Hints) -> Allocation | None:
         r = self.conn.call("allocate", keys=list(keys), hints=asdict(hints))
         if r is None:
             return None
-        return Allocation(
-            r["id"], r["index"], Medium(r["medium"]), r["reason"], [Segment(*s) for s in r["segments"]], r["slots"]
-        )
+        epoch = int(r.get("epoch", 0))
+        self._epochs[r["id"]] = epoch
+        segments = [Segment(*s) for s in r["segments"]]
+        return Allocation(r["id"], r["index"], Medium(r["medium"]), r["reason"], segments, r["slots"], epoch)
 
     def publish(self, alloc_id: int, checksums: Sequence[int]) -> None:
-        self.conn.call("publish", id=alloc_id, crc=list(checksums))
+        epoch = self._epochs.pop(alloc_id, 0)
+        self.conn.call("publish", id=alloc_id, crc=list(checksums), **({"epoch": epoch} if epoch else {}))
 
     def abort(self, alloc_id: int) -> None:
+        self._epochs.pop(alloc_id, None)
         self.conn.call("abort", id=alloc_id)
 
     def exists(self, keys: Sequence[Key]) -> int:
@@ -103,7 +107,8 @@ class RemoteCatalog:
 
     def acquire(self, keys: Sequence[Key]) -> Lease:
         r = self.conn.call("acquire", keys=list(keys))
-        return Lease(r["id"], [Location(*x) for x in zip(r["scope"], r["gva"], r["stride"], strict=True)])
+        locs = [Location(*x) for x in zip(r["scope"], r["gva"], r["stride"], strict=True)]
+        return Lease(r["id"], locs, list(r.get("crc", [])))
 
     def release(self, lease_id: int) -> None:
         self.conn.call("release", id=lease_id, stats=self._delta())

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -18,9 +20,53 @@ if TYPE_CHECKING:
     from flatcake.node_agent.service.server import Agent
 
 
-def start(agent: Agent, host: str, port: int) -> WSGIServer:
-    """Serve the endpoints from a daemon thread; ``port`` 0 picks a free one (``server_port``)."""
-    server = make_server(host, port, _wsgi_app(agent), handler_class=_QuietHandler)
+class Server(ThreadingMixIn, WSGIServer):
+    """One thread per connection, at most ``max_connections`` at once, each closed after ``timeout``
+    seconds of silence: a stalled or idle client (a port scan, a half-open scrape) can never hold up
+    ``/healthz`` and get the agent killed by its liveness probe, nor pile up threads."""
+
+    daemon_threads = True
+    block_on_close = False
+    max_connections = 64
+    refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        super().server_activate()
+
+
+class _IPv6Server(Server):
+    address_family = socket.AF_INET6
+
+
+def start(agent: Agent, host: str, port: int, timeout: float = 5.0, max_connections: int = 64) -> Server:
+    """Serve the endpoints from daemon threads; ``port`` 0 picks a free one (``server_port``)."""
+
+    class Handler(_QuietHandler):
+        pass
+
+    Handler.timeout = timeout  # StreamRequestHandler applies it to the connection's socket
+    server_class = type(
+        "AgentHTTPServer", (_IPv6Server if ":" in host else Server,), {"max_connections": max_connections}
+    )
+    server: Server = make_server(host, port, _wsgi_app(agent), server_class=server_class, handler_class=Handler)
     threading.Thread(target=server.serve_forever, daemon=True, name="flatcake-http").start()
     return server
 
@@ -43,11 +89,22 @@ def _wsgi_app(agent: Agent) -> Any:
         if path == "/readyz":
             status = "200 OK" if agent.ready else "503 Service Unavailable"
             start_response(status, [("Content-Type", "text/plain")])
-            return [b"ready\n" if agent.ready else b"recovering\n"]
+            return [_readiness(agent).encode()]
         start_response("404 Not Found", [("Content-Type", "text/plain")])
         return [b"try /metrics, /healthz or /readyz\n"]
 
     return app
+
+
+def _readiness(agent: Agent) -> str:
+    if agent.ready:
+        return "ready\n"
+    r = agent.recovered
+    if r.done:
+        return "recovered; starting the socket\n"
+    if r.total_pages:
+        return f"recovering: {r.verified_pages} of {r.total_pages} pages checked, {r.records} journal records read\n"
+    return f"recovering: reading the journal, {r.records} records so far\n"
 
 
 class AgentCollector(Collector):
@@ -65,6 +122,14 @@ class AgentCollector(Collector):
         yield M.family("flatcake_agent_open_handles", [(("allocation",), allocs), (("lease",), leases)])
         yield M.family("flatcake_recovered_pages", [((), a.recovered.pages)])
         yield M.family("flatcake_recovery_dropped_pages", [((), a.recovered.dropped_pages)])
+        yield M.family("flatcake_recovery_superseded_pages", [((), a.recovered.superseded_pages)])
+        yield M.family("flatcake_recovery_skipped_records", [((), a.recovered.skipped_records)])
+        yield M.family("flatcake_recovery_checked_pages", [((), a.recovered.verified_pages)])
+        yield M.family("flatcake_agent_epoch", [((), a.epoch)])
+        yield M.family("flatcake_journal_errors", [((kind,), n) for kind, n in a.journal_errors().items()])
+        dropped = {reason: 0 for reason in M.DROP_REASONS} | dict(a.dropped)
+        dropped["http_busy"] = a.http_server.refused if a.http_server is not None else 0
+        yield M.family("flatcake_agent_dropped_connections", [((k,), n) for k, n in dropped.items()])
         yield M.family("flatcake_agent_requests", [((op,), n) for op, n in a.requests.items()])
         yield M.family("flatcake_agent_request_errors", [((op, code), n) for (op, code), n in a.errors.items()])
         for name, key in (("flatcake_capacity_bytes", "capacity_bytes"), ("flatcake_used_bytes", "used_bytes"),

@@ -19,10 +19,10 @@ from typing import Any
 import msgpack
 
 from flatcake.errors import ProtocolError as ProtocolError  # the error type of this protocol
+from flatcake.node_agent.constants import MAX_FRAME as MAX_FRAME
 
 VERSION = 1
 HEADER = struct.Struct(">I")
-MAX_FRAME = 16 << 20
 MAX_KEYS = 65_536
 KEY_TYPES = {str, bytes, int}
 
@@ -36,6 +36,7 @@ UNKNOWN_KEY = "unknown_key"
 UNKNOWN_HANDLE = "unknown_handle"
 POOL_FULL = "pool_full"
 NOT_REGISTERED = "not_registered"
+BUSY = "busy"  # the agent serves agent.max_clients connections already
 INTERNAL = "internal"
 
 

@@ -15,20 +15,21 @@ import asyncio
 import contextlib
 import logging
 import operator
-import os
 import signal
+import stat
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
-from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry
 
 from flatcake import metrics as M
-from flatcake.errors import FlatCakeError, UnknownHandleError
+from flatcake.errors import ConfigError, FlatCakeError, UnknownHandleError
+from flatcake.node_agent.catalog.epoch import advance as advance_epoch
+from flatcake.node_agent.catalog.files import resolve_gid, share_path
 from flatcake.node_agent.catalog.journal import Journal
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.catalog.recovery import Recovered, page_crc_reader, recover
@@ -55,29 +56,27 @@ class Session:
 
 
 class Agent:
+    """The node agent. Construction maps the pools (fast); ``recover`` rebuilds the catalog from the
+    journal (slow on a large cache) and ``serve`` runs it first if nobody has, so the HTTP endpoints
+    can answer probes throughout recovery."""
+
     def __init__(self, config: EngineConfig) -> None:
         c = self.config = config
         self.ready = False
-        self.pool = create_pool(c.ssd.dir, c.ssd.file_count, c.ssd.file_bytes, extent_policy=c.ssd.extent_policy)
+        self.gid = resolve_gid(c.agent.group)
+        self.pool = create_pool(c.ssd.dir, c.ssd.file_count, c.ssd.file_bytes, extent_policy=c.ssd.extent_policy,
+                                gid=self.gid)  # fmt: skip
         # The pool file is reused when it exists: DRAM pages survive an agent restart (not a reboot).
         self.dram = DramPool(
             c.layers * c.page_bytes, c.dram_slots, name=c.dram.name, want_huge_pages=c.dram.huge_pages,
-            shm_dir=c.dram.shm_dir, hugetlbfs_dir=c.dram.hugetlbfs_dir,
+            shm_dir=c.dram.shm_dir, hugetlbfs_dir=c.dram.hugetlbfs_dir, gid=self.gid,
         )  # fmt: skip
-        self.catalog = LocalCatalog(local_table(c), c.placement)
-        journal_path = Path(c.ssd.dir) / JOURNAL
-        started = time.monotonic()
-        paths = [Path(c.ssd.dir) / name for name in self.pool.files]
-        verify = page_crc_reader(c, self.dram.view, paths) if c.agent.verify_on_recovery else None
-        self.recovered: Recovered = recover(self.catalog, journal_path, verify)
-        self.journal = Journal(journal_path, c.agent.journal_fsync, c.agent.journal_fsync_ms)
-        self.journal.rewrite(self.catalog.snapshot_records())  # compact: live state only
-        self.catalog.journal = self.journal
-        log.info(
-            "recovered %d pages in %d scopes from %d journal records (%d dropped) in %.2fs",
-            self.recovered.pages, self.recovered.scopes, self.recovered.records, self.recovered.dropped_pages,
-            time.monotonic() - started,
-        )  # fmt: skip
+        # A new epoch before anything is served: writers holding allocations of the previous agent are
+        # refused from here on (catalog/epoch.py).
+        self.epoch = advance_epoch(c.ssd.dir, self.gid)
+        self.catalog = LocalCatalog(local_table(c), c.placement, epoch=self.epoch)
+        self.recovered = Recovered()
+        self.journal: Journal | None = None
         self.client_stats: Counter[str] = Counter()  # data-path counters reported by clients
         self.sessions: dict[int, Session] = {}
         self._next_session = 0
@@ -86,8 +85,37 @@ class Agent:
         self.latency = M.histogram("flatcake_agent_request_seconds", self.registry)
         self.requests: Counter[str] = Counter()
         self.errors: Counter[tuple[str, str]] = Counter()
-        self._http: WSGIServer | None = None
+        self.dropped: Counter[str] = Counter()  # connections closed by the agent, by reason
+        self._frame_bytes = 0  # request bytes being received, across connections
+        self._frame_room: asyncio.Condition | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.http_server: http.Server | None = None
         self.metrics_port = c.agent.metrics_port
+
+    def recover(self) -> Recovered:
+        """Rebuild the catalog from the journal, compact it, and start journaling (once)."""
+        if self.journal is not None:
+            return self.recovered
+        c = self.config
+        journal_path = Path(c.ssd.dir) / JOURNAL
+        started = time.monotonic()
+        paths = [Path(c.ssd.dir) / name for name in self.pool.files]
+        verify = page_crc_reader(c, self.dram.view, paths) if c.agent.verify_on_recovery else None
+        recover(self.catalog, journal_path, verify, self.recovered)
+        journal = Journal(journal_path, c.agent.journal_fsync, c.agent.journal_fsync_ms, gid=self.gid)
+        try:
+            journal.rewrite(self.catalog.snapshot_records())  # compact: live state only
+        except OSError as exc:  # a full disk at start: keep the (valid, tail-trimmed) journal as it is
+            log.error("journal compaction failed, continuing with the uncompacted journal: %s", exc)
+        self.catalog.journal = self.journal = journal
+        r = self.recovered
+        log.info(
+            "recovered %d pages in %d scopes from %d journal records (%d dropped, %d superseded, %d damaged "
+            "records skipped) in %.2fs; epoch %d",
+            r.pages, r.scopes, r.records, r.dropped_pages, r.superseded_pages, r.skipped_records,
+            time.monotonic() - started, self.epoch,
+        )  # fmt: skip
+        return r
 
     # ---- control protocol: one method per op -----------------------------------------------------
     def dispatch(self, session: Session, op: str, args: dict[str, Any]) -> Any:
@@ -107,7 +135,7 @@ class Agent:
                     "run one agent (cache) per model geometry",
                 )  # fmt: skip
         session.registered = True
-        return {"config": c.to_dict(), "dram_path": self.dram.info.path, "session": session.id}
+        return {"config": c.to_dict(), "dram_path": self.dram.info.path, "session": session.id, "epoch": self.epoch}
 
     def op_exists(self, session: Session, args: dict[str, Any]) -> int:
         return self.catalog.exists(P.keys_arg(args))
@@ -128,6 +156,7 @@ class Agent:
         return {
             "id": alloc.id, "index": alloc.index, "medium": int(alloc.medium), "reason": alloc.reason,
             "segments": [[s.file, s.offset, s.first_page, s.pages] for s in alloc.segments], "slots": alloc.slots,
+            "epoch": alloc.epoch,
         }  # fmt: skip
 
     def op_publish(self, session: Session, args: dict[str, Any]) -> None:
@@ -135,8 +164,11 @@ class Agent:
         crc = args.get("crc")
         if not isinstance(crc, list) or not all(isinstance(x, int) for x in crc):
             raise P.ProtocolError(P.BAD_ARGS, "crc: must be a list of integers, one per page")
+        epoch = args.get("epoch")
+        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
+            raise P.ProtocolError(P.BAD_ARGS, "epoch: must be an integer (the allocation's)")
         session.allocs.discard(alloc_id)
-        self.catalog.publish(alloc_id, crc)
+        self.catalog.publish(alloc_id, crc, epoch)
 
     def op_abort(self, session: Session, args: dict[str, Any]) -> None:
         alloc_id = _owned(session.allocs, P.int_arg(args, "id"), "allocation")
@@ -146,13 +178,13 @@ class Agent:
     def op_acquire(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         lease = self.catalog.acquire(P.keys_arg(args))
         session.leases.add(lease.id)
-        return {"id": lease.id, **_columns(lease.locations, scope=0, gva=1, stride=2)}
+        return {"id": lease.id, **_columns(lease.locations, scope=0, gva=1, stride=2), "crc": lease.checksums}
 
     def op_release(self, session: Session, args: dict[str, Any]) -> None:
         lease_id = _owned(session.leases, P.int_arg(args, "id"), "lease")
-        self._merge_stats(args.get("stats", {}))
         session.leases.discard(lease_id)
-        self.catalog.release(lease_id)
+        self.catalog.release(lease_id)  # first: a bad stats map must not leave the pages pinned
+        self._merge_stats(args.get("stats", {}))
 
     def op_report(self, session: Session, args: dict[str, Any]) -> None:
         self._merge_stats(args.get("stats", {}))
@@ -161,8 +193,18 @@ class Agent:
         return self.snapshot()
 
     def _merge_stats(self, stats: Any) -> None:
-        if not isinstance(stats, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in stats.items()):
+        """Add a client's counter deltas. Only the engine's own counter names and sane values are taken
+        (all or nothing): each name is a Prometheus series, so a client must not be able to make more."""
+        if not isinstance(stats, dict):
             raise P.ProtocolError(P.BAD_ARGS, "stats: must be a map of counter name to integer")
+        for name, value in stats.items():
+            if not M.is_client_stat(name):
+                shown = repr(name)[:80]
+                raise P.ProtocolError(P.BAD_ARGS, f"stats: {shown} is not a FlatCake data-path counter "
+                                      "(flatcake/metrics.py:CLIENT_STATS); nothing was counted")  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= M.MAX_STAT_DELTA:
+                raise P.ProtocolError(P.BAD_ARGS, f"stats[{name!r}]: {value!r} must be an integer within "
+                                      f"0..{M.MAX_STAT_DELTA}; nothing was counted")  # fmt: skip
         self.client_stats.update(stats)
 
     def service_seconds(self) -> dict[str, tuple[float, float]]:
@@ -187,8 +229,14 @@ class Agent:
             "usage": self.catalog.table.usage(), "placements": self.catalog.placements.snapshot(),
             "clients": len(self.sessions), "open_allocations": allocs, "leases": leases,
             "recovered": asdict(self.recovered), "client_stats": dict(self.client_stats),
-            "journal_records": self.journal.records, "service_seconds": self.service_seconds(),
+            "journal_records": self.journal.records if self.journal else 0, "epoch": self.epoch,
+            "journal_errors": self.journal_errors(), "dropped_connections": dict(self.dropped),
+            "service_seconds": self.service_seconds(),
         }  # fmt: skip
+
+    def journal_errors(self) -> dict[str, int]:
+        j = self.journal
+        return {"append": j.append_errors if j else 0, "sync": j.sync_errors if j else 0}
 
     def handle_frame(self, session: Session, body: bytes) -> tuple[str, dict[str, Any]]:
         """The reply to one request frame, and the op it was (for metrics); never raises."""
@@ -225,53 +273,102 @@ class Agent:
         self.sessions.pop(session.id, None)
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        a = self.config.agent
+        if len(self.sessions) >= a.max_clients:  # answered, not silently dropped, so the client can say why
+            self.dropped["busy"] += 1
+            with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+                writer.write(P.pack(P.error(0, P.BUSY, f"the agent serves agent.max_clients={a.max_clients} "
+                                            "connections already; retry later or raise the limit")))  # fmt: skip
+                await asyncio.wait_for(writer.drain(), a.frame_timeout_s)
+            writer.close()
+            return
         self._next_session += 1
         session = self.sessions[self._next_session] = Session(self._next_session)
+        self._writers.add(writer)
         try:
             while True:
+                # Unregistered connections get frame_timeout_s to speak; registered clients may stay idle
+                # (inference processes keep one connection for their life) unless idle_timeout_s is set.
+                idle = (a.idle_timeout_s or None) if session.registered else a.frame_timeout_s
                 try:
-                    header = await reader.readexactly(P.HEADER.size)
+                    header = await asyncio.wait_for(reader.readexactly(P.HEADER.size), idle)
                 except asyncio.IncompleteReadError:
+                    break
+                except TimeoutError:
+                    self.dropped["idle_timeout"] += 1
                     break
                 (length,) = P.HEADER.unpack(header)
                 if length > P.MAX_FRAME:
                     # Skip the body to stay in step with the stream, then say why it was refused.
-                    remaining = length
-                    while remaining:
-                        chunk = await reader.read(min(remaining, 1 << 20))
-                        if not chunk:
-                            break
-                        remaining -= len(chunk)
+                    await asyncio.wait_for(self._skip(reader, length), a.frame_timeout_s)
                     self.errors[("other", P.OVERSIZED)] += 1
                     reply = P.error(0, P.OVERSIZED, f"frame of {length} bytes exceeds {P.MAX_FRAME}; send fewer keys")
                     writer.write(P.pack(reply))
                 else:
-                    body = await reader.readexactly(length)
+                    body = await self._receive(reader, length)
                     started = time.perf_counter()
                     op, reply = self.handle_frame(session, body)
+                    del body
                     writer.write(P.pack(reply))
                     # Service time: decode, work, encode (the socket and queueing are the client's view).
                     self.latency.labels(op).observe(time.perf_counter() - started)
-                await writer.drain()
+                # A client that stops reading its replies is cut off rather than buffered for.
+                await asyncio.wait_for(writer.drain(), a.frame_timeout_s)
+        except TimeoutError:
+            self.dropped["frame_timeout"] += 1
+            log.warning("client %d: a frame or reply did not move within agent.frame_timeout_s=%s; closed",
+                        session.id, a.frame_timeout_s)  # fmt: skip
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
+            self._writers.discard(writer)
             self.drop(session)
             writer.close()
 
+    @staticmethod
+    async def _skip(reader: asyncio.StreamReader, length: int) -> None:
+        remaining = length
+        while remaining:
+            chunk = await reader.read(min(remaining, 1 << 20))
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"", remaining)
+            remaining -= len(chunk)
+
+    async def _receive(self, reader: asyncio.StreamReader, length: int) -> bytes:
+        """One frame body. The bytes being received across all connections stay within
+        agent.frame_budget_bytes (a frame waits for room), and a frame must arrive within
+        agent.frame_timeout_s: slow senders cannot pile up buffers."""
+        a = self.config.agent
+        if self._frame_room is None:
+            self._frame_room = asyncio.Condition()
+        room = self._frame_room
+        async with room:
+            await asyncio.wait_for(
+                room.wait_for(lambda: self._frame_bytes + length <= a.frame_budget_bytes), a.frame_timeout_s
+            )
+            self._frame_bytes += length
+        try:
+            return await asyncio.wait_for(reader.readexactly(length), a.frame_timeout_s)
+        finally:
+            async with room:
+                self._frame_bytes -= length
+                room.notify_all()
+
     # ---- process lifecycle -----------------------------------------------------------------------
     def start_http(self) -> int:
-        """Serve /metrics, /healthz and /readyz from a thread; returns the bound port."""
-        self._http = http.start(self, self.config.agent.metrics_host, self.metrics_port)
-        self.metrics_port = self._http.server_port
+        """Serve /metrics, /healthz and /readyz from threads; returns the bound port."""
+        a = self.config.agent
+        self.http_server = http.start(self, a.metrics_host, self.metrics_port, a.http_timeout_s, a.http_max_connections)
+        self.metrics_port = self.http_server.server_port
         return self.metrics_port
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
+        await asyncio.to_thread(self.recover)  # no-op when done already; probes answer meanwhile
         path = Path(self.config.agent.socket)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)  # a stale socket of a previous (killed) agent
+        _remove_stale_socket(path)
         server = await asyncio.start_unix_server(self._serve_connection, path=str(path))
-        os.chmod(path, 0o660)
+        share_path(path, self.gid)
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -282,12 +379,18 @@ class Agent:
         async with server:
             await stop.wait()
         self.ready = False
+        for writer in list(self._writers):  # end the connections too, so their handlers finish here
+            writer.close()
+        deadline = time.monotonic() + 5
+        while self._writers and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     def close(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-        self.journal.close()
+        if self.http_server is not None:
+            self.http_server.shutdown()
+            self.http_server.server_close()
+        if self.journal is not None:
+            self.journal.close()
         self.dram.close(unlink=False)  # the pool outlives the agent process
 
 
@@ -295,6 +398,19 @@ Handler = Callable[[Agent, Session, dict[str, Any]], Any]
 OPS: dict[str, Handler] = {
     name.removeprefix("op_"): getattr(Agent, name) for name in vars(Agent) if name.startswith("op_")
 }
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """Remove the socket a killed agent left behind, and nothing else: a regular file (or anything
+    that is not a socket) at the configured path is someone's data, so the agent refuses to start."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(f"agent.socket: {path} exists and is not a socket; move it away or point "
+                          "agent.socket elsewhere (the agent deletes only a stale socket)")  # fmt: skip
+    path.unlink()
 
 
 def _owned(held: set[int], handle: int, what: str) -> int:

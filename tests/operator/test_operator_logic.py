@@ -296,6 +296,23 @@ def test_hugepage_shares_are_one_host_folder_for_prepare_and_reclaim() -> None:
 
 
 @pytest.mark.unit
+def test_agent_probes_allow_a_long_recovery() -> None:
+    # /healthz answers during recovery; a startup probe covers a slow start (issue 17, item 2), readiness
+    # waits for /readyz, and liveness only counts once the agent has started.
+    parsed = parse_spec(spec())
+    agent = render.daemon_set(parsed, CACHE, render.engine_config(parsed, CACHE))["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    startup = agent["startupProbe"]
+    assert startup["httpGet"]["path"] == "/healthz"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # ten minutes to start
+    assert agent["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert agent["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    reclaim = render.reclaim_daemon_set(parsed, CACHE)["spec"]["template"]["spec"]["containers"][0]
+    assert "startupProbe" not in reclaim and "livenessProbe" not in reclaim
+
+
+@pytest.mark.unit
 def test_rendered_objects_validate_against_kubernetes_schemas() -> None:
     import kubernetes_validate
 

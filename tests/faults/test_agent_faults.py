@@ -1,0 +1,370 @@
+"""Agent faults: a stale writer across a restart, corruption while running, oversized puts, a DRAM
+pool larger than its tmpfs, stalled and idle connections, forged client counters, probes during
+recovery, permissions, and hostile paths. Each provokes the fault the way issue 17 describes it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from flatcake.errors import CapacityError, ConfigError, FencedError, PoolFullError
+from flatcake.node_agent.catalog import epoch as E
+from flatcake.node_agent.policy import gva as G
+from flatcake.node_agent.policy.placement import Hints
+from flatcake.node_agent.service import protocol as P
+from flatcake.node_agent.service import server as S
+from flatcake.node_agent.service.client import connect
+from tests.support.agents import AgentThread
+from tests.support.engines import small_config
+from tests.support.faults import audit, stat_mode, tmpfs
+from tests.support.kv_client import fill, page_bytes_for
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.faults
+
+SSD = Hints(context_tokens=1 << 20)
+DRAM = Hints(prefix_refcount=2)
+Start = Callable[..., AgentThread]
+
+
+def expected(key: str) -> np.ndarray:
+    return page_bytes_for(key, 4, 4096)
+
+
+def put(e: object, keys: list[str], hints: Hints | None = None) -> None:
+    e.put(keys, fill(keys, 4, 4096), hints)  # type: ignore[attr-defined]
+
+
+def http_get(port: int, path: str, timeout: float = 3) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+# ---- item 4: fencing across an agent restart ---------------------------------------------------
+@pytest.mark.parametrize("hints", [SSD, DRAM], ids=["ssd", "dram"])
+def test_a_writer_that_allocated_before_a_restart_is_refused_after_it(tmp_path: Path, hints: Hints) -> None:
+    config = small_config(tmp_path / "node", files=4, dram_bytes=4 * 4 * 4096)
+    agents = [AgentThread(config)]
+    stale = connect(config.agent.socket)
+    real_allocate = stale.catalog.allocate
+    taken: dict[str, object] = {}
+
+    def allocate_then_restart(keys: object, h: Hints) -> object:
+        alloc = real_allocate(keys, h)  # type: ignore[arg-type]
+        taken["stale"] = alloc
+        agents[0].stop()  # the agent restarts between this writer's allocate and its write
+        agents.append(AgentThread(config))
+        with connect(config.agent.socket) as other:
+            put(other, ["victim-0", "victim-1"], hints)
+            taken["victim"] = other.catalog.conn.call("lookup", keys=["victim-0"])  # type: ignore[attr-defined]
+        return alloc
+
+    stale.catalog.allocate = allocate_then_restart  # type: ignore[method-assign]
+    try:
+        with pytest.raises(FencedError, match="restarted"):
+            put(stale, ["stale-0", "stale-1"], hints)
+        assert stale.stats.get("fenced_writes") == 1
+        stale_alloc, victim = taken["stale"], taken["victim"]
+        # The fault was real: the new agent gave the victim the very space the stale writer held.
+        if stale_alloc.slots:  # type: ignore[attr-defined]
+            slot = G.decode(victim["gva"][0]).offset // (4 * 4096)  # type: ignore[index]
+            assert slot in stale_alloc.slots  # type: ignore[attr-defined]
+        else:
+            file = G.decode(victim["gva"][0]).offset // config.ssd.file_bytes  # type: ignore[index]
+            assert file == stale_alloc.segments[0].file  # type: ignore[attr-defined]
+        assert audit(config, ["victim-0", "victim-1"], expected, what="stale writer") == (0, 0)
+    finally:
+        stale.io.close()
+        agents[-1].stop()
+
+
+def test_the_agent_refuses_to_publish_an_allocation_of_another_epoch(agent_thread: Start) -> None:
+    a = agent_thread()
+    assert E.current(a.config.ssd.dir) == a.agent.epoch >= 1
+    with connect(a.socket) as e:
+        alloc = e.catalog.allocate(["k"], Hints())
+        assert alloc is not None and alloc.epoch == a.agent.epoch
+        with pytest.raises(FencedError, match="epoch"):
+            e.catalog.conn.call("publish", id=alloc.id, crc=[0], epoch=alloc.epoch - 1)  # type: ignore[attr-defined]
+        assert e.exists(["k"]) == 0
+
+
+# ---- item 13: corruption while running is never served ----------------------------------------
+@pytest.mark.parametrize("where", ["ssd", "dram"])
+def test_a_page_corrupted_while_running_is_a_miss_and_counted(tmp_path: Path, where: str) -> None:
+    config = small_config(tmp_path / "node", io={"verify_reads": "all"} if where == "dram" else {})
+    a = AgentThread(config)
+    try:
+        keys = [f"{where}-{i}" for i in range(4)]
+        with connect(a.socket) as e:
+            put(e, keys, SSD if where == "ssd" else DRAM)
+            loc = a.agent.catalog.table.lookup(keys[2])
+            assert loc is not None
+            offset = G.decode(loc.gva).offset + 3 * loc.layer_stride + 100  # a byte of layer 3
+            if where == "ssd":
+                file, at = divmod(offset, config.ssd.file_bytes)
+                with open(Path(config.ssd.dir) / f"pool-{file:05d}.dat", "r+b") as f:
+                    f.seek(at)
+                    byte = f.read(1)
+                    f.seek(at)
+                    f.write(bytes([byte[0] ^ 0x01]))
+            else:
+                a.agent.dram.view[offset] ^= 0x01
+            dest = np.zeros((4, 4, 4096), np.uint8)
+            with e.get(keys, dest) as restore:
+                missing = restore.run()
+            assert missing == {2}
+            assert e.stats.get("verify_failures") == 1
+            for j in (0, 1, 3):
+                assert np.array_equal(dest[:, j], expected(keys[j]))
+        _, text = http_get(a.port, "/metrics")
+        assert "flatcake_verify_failures_total 1.0" in text
+    finally:
+        a.stop()
+
+
+# ---- item 9: a put larger than the whole pool ---------------------------------------------------
+def test_a_put_larger_than_the_pool_is_refused_touching_nothing(agent_thread: Start) -> None:
+    a = agent_thread(files=4, file_bytes=4 * 4 * 4096, dram_bytes=8 * 4 * 4096)
+    with connect(a.socket) as e:
+        put(e, ["d0", "d1"], DRAM)
+        put(e, ["s0", "s1"], SSD)
+        big = [f"big-{i}" for i in range(17)]  # 17 pages: more than 4 files of 4 pages, and than DRAM
+        with pytest.raises(PoolFullError, match=r"ssd.file_count"):
+            put(e, big, SSD)
+        with pytest.raises(PoolFullError, match=r"ssd.file_count"):
+            put(e, big, DRAM)  # too big for DRAM too: overflows to SSD without evicting DRAM first
+        assert e.exists(big) == 0
+        usage = a.agent.catalog.table.usage()
+        assert usage["ssd"]["reclaimed_scopes"] == usage["dram"]["reclaimed_scopes"] == 0
+        assert audit(a.config, ["d0", "d1", "s0", "s1"], expected, what="oversized put") == (0, 0)
+
+
+# ---- item 10: a DRAM pool larger than its tmpfs ---------------------------------------------------
+def test_a_dram_pool_larger_than_its_tmpfs_refuses_to_start(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "shm", "1m") as shm:
+        config = small_config(tmp_path / "node", dram_bytes=128 * 4 * 4096)  # 2 MiB on a 1 MiB tmpfs
+        config = type(config).from_dict({**config.to_dict(), "dram": {**config.to_dict()["dram"], "shm_dir": str(shm)}})
+        with pytest.raises(CapacityError, match=r"dram.bytes: .* needs 2097152 bytes but .* free"):
+            S.Agent(config)
+        assert list(shm.iterdir()) == []  # nothing half-made left behind
+
+
+# ---- items 1 and 11: stalled and idle connections -------------------------------------------------
+def test_idle_and_stalled_http_clients_never_block_healthz(agent_thread: Start) -> None:
+    a = agent_thread(agent={"http_timeout_s": 0.5, "http_max_connections": 4})
+    idle = socket.create_connection(("127.0.0.1", a.port))  # says nothing
+    half = socket.create_connection(("127.0.0.1", a.port))
+    half.sendall(b"GET /heal")  # half a request line
+    started = time.monotonic()
+    assert http_get(a.port, "/healthz") == (200, "ok\n")
+    assert time.monotonic() - started < 2
+    for s in (idle, half):  # both are cut off after http_timeout_s
+        s.settimeout(10)
+        assert s.recv(1) == b""
+    hogs = [socket.create_connection(("127.0.0.1", a.port)) for _ in range(6)]  # over the cap of 4
+    wait_until(lambda: a.agent.http_server is not None and a.agent.http_server.refused >= 2, what="refusals")
+    for s in hogs:
+        s.close()
+    assert wait_until(lambda: http_get(a.port, "/healthz")[0] == 200, what="healthz after the hogs")
+    assert 'flatcake_agent_dropped_connections_total{reason="http_busy"}' in http_get(a.port, "/metrics")[1]
+
+
+def test_metrics_bind_address_is_configurable(agent_thread: Start) -> None:
+    a = agent_thread(agent={"metrics_host": "127.0.0.1"})
+    assert a.agent.http_server is not None and a.agent.http_server.server_address[0] == "127.0.0.1"
+
+
+class Raw:
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(path)
+
+    def call(self, op: str, **args: object) -> dict:
+        body = msgpack.packb(P.request(1, op, args), use_bin_type=True)
+        self.sock.sendall(struct.pack(">I", len(body)) + body)
+        return self.reply()
+
+    def reply(self) -> dict:
+        buf = b""
+        while len(buf) < 4:
+            buf += self.sock.recv(4 - len(buf))
+        (n,) = struct.unpack(">I", buf)
+        body = b""
+        while len(body) < n:
+            chunk = self.sock.recv(n - len(body))
+            assert chunk
+            body += chunk
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+
+    def closed(self) -> bool:
+        return self.sock.recv(1) == b""
+
+
+def test_control_socket_caps_connections_and_times_out_stalled_frames(agent_thread: Start) -> None:
+    a = agent_thread(agent={"max_clients": 3, "frame_timeout_s": 0.5, "frame_budget_bytes": P.MAX_FRAME})
+    clients = [Raw(a.socket) for _ in range(3)]
+    for c in clients:
+        assert c.call("register")["ok"]
+    extra = Raw(a.socket)
+    assert extra.reply()["error"]["code"] == P.BUSY and extra.closed()
+    # A frame that starts and stalls (header of 8 MiB, 10 bytes of body) holds its buffer only until
+    # frame_timeout_s; a second such frame waits for budget meanwhile, so memory stays bounded.
+    for c in clients[:2]:
+        c.sock.sendall(struct.pack(">I", 8 << 20) + b"x" * 10)
+    wait_until(lambda: a.agent._frame_bytes > 0, what="a stalled frame to hold budget")
+    assert a.agent._frame_bytes <= P.MAX_FRAME
+    assert clients[0].closed() and clients[1].closed()
+    assert a.agent.dropped["frame_timeout"] == 2 and a.agent._frame_bytes == 0
+    # An unregistered connection that never speaks is closed too; the registered one stays.
+    silent = Raw(a.socket)
+    assert silent.closed()
+    assert a.agent.dropped["idle_timeout"] == 1
+    assert clients[2].call("exists", keys=["a"])["ok"]
+
+
+# ---- item 12: forged client counters ---------------------------------------------------------------
+def test_client_counters_are_validated(agent_thread: Start) -> None:
+    a = agent_thread()
+    raw = Raw(a.socket)
+    assert raw.call("register")["ok"]
+    forged = {f"evil_{i}": 1 for i in range(1000)}
+    r = raw.call("report", stats=forged)
+    assert r["error"]["code"] == P.BAD_ARGS and "evil_" in r["error"]["message"]
+    for bad in ({"read_bytes": -5}, {"read_bytes": 1.5}, {"io_errors_" + "x" * 100: 1}, {"read_bytes": True}):
+        assert raw.call("report", stats=bad)["error"]["code"] == P.BAD_ARGS
+    assert raw.call("report", stats={"read_bytes": 7, "io_errors_eio": 1})["ok"]
+    assert dict(a.agent.client_stats) == {"read_bytes": 7, "io_errors_eio": 1}
+    # A bad stats map on release still releases the lease: nothing stays pinned.
+    with connect(a.socket) as e:
+        put(e, ["r0"])
+    lease = raw.call("acquire", keys=["r0"])["result"]
+    assert raw.call("release", id=lease["id"], stats={"bogus": 1})["error"]["code"] == P.BAD_ARGS
+    assert a.agent.catalog.handles() == (0, 0)
+    metrics = http_get(a.port, "/metrics")[1]
+    assert "evil_" not in metrics and len(metrics) < 40_000
+
+
+# ---- item 2: probes answer during recovery ----------------------------------------------------------
+def test_healthz_answers_and_readyz_reports_progress_during_recovery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = small_config(tmp_path / "node", files=16)
+    a = AgentThread(config)
+    with connect(a.socket) as e:
+        for i in range(6):
+            put(e, [f"r{i}"], SSD)
+    a.stop()
+    gate = threading.Event()
+    real = S.page_crc_reader
+
+    def slow_reader(*args: object) -> Callable[[object], int]:
+        read = real(*args)  # type: ignore[arg-type]
+
+        def crc(loc: object) -> int:
+            gate.wait(30)  # recovery stalls here, as a large cache's would
+            return read(loc)  # type: ignore[arg-type]
+
+        return crc
+
+    monkeypatch.setattr(S, "page_crc_reader", slow_reader)
+    agent = S.Agent(config)
+    port = agent.start_http()
+    loop, stop = asyncio.new_event_loop(), asyncio.Event()
+    thread = threading.Thread(target=loop.run_until_complete, args=(agent.serve(stop),))
+    thread.start()
+    try:
+        assert http_get(port, "/healthz") == (200, "ok\n")
+
+        def progress() -> tuple[int, str] | None:
+            got = http_get(port, "/readyz")
+            return got if "of 6 pages" in got[1] else None
+
+        status, text = wait_until(progress, what="readyz to show recovery progress")
+        assert status == 503 and text.startswith("recovering: 0 of 6 pages checked")
+        assert http_get(port, "/healthz") == (200, "ok\n")  # still live while recovery is stuck
+        gate.set()
+        wait_until(lambda: http_get(port, "/readyz")[0] == 200, what="ready after recovery")
+        assert agent.recovered.pages == 6
+    finally:
+        gate.set()
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(10)
+        loop.close()
+        agent.close()
+
+
+# ---- item 16 and the smaller ones: permissions and hostile paths ----------------------------------------
+def test_one_permission_policy_for_everything_the_agent_creates(tmp_path: Path) -> None:
+    import os
+
+    node = tmp_path / "node"
+    pool = node / "pool"
+    pool.mkdir(parents=True)
+    old = pool / "pool-00000.dat"
+    old.write_bytes(b"")
+    os.chmod(old, 0o600)  # made by an older version
+    gid = os.getgid() + 1 if os.getuid() == 0 else os.getgid()
+    a = AgentThread(small_config(node, agent={"group": str(gid)}))
+    try:
+        c = a.config
+        paths = [c.agent.socket, a.agent.dram.info.path, pool / "journal.log", pool / "epoch", pool / "pool.json",
+                 *(pool / n for n in a.agent.pool.files)]  # fmt: skip
+        assert {str(p): stat_mode(p) for p in paths} == {str(p): 0o660 for p in paths}
+        assert {os.stat(p).st_gid for p in paths} == {gid}
+    finally:
+        a.stop()
+
+
+def test_a_regular_file_at_the_socket_path_is_left_alone(tmp_path: Path) -> None:
+    config = small_config(tmp_path / "node")
+    Path(config.agent.socket).write_text("someone's data")
+    agent = S.Agent(config)
+    try:
+        import asyncio
+
+        with pytest.raises(ConfigError, match="agent.socket: .* is not a socket"):
+            asyncio.run(agent.serve(asyncio.Event()))
+        assert Path(config.agent.socket).read_text() == "someone's data"
+    finally:
+        agent.close()
+
+
+def test_dram_name_cannot_escape_shm_dir(tmp_path: Path) -> None:
+    for name in ("../x", "a/b", "..", "."):
+        with pytest.raises(ConfigError, match="dram.name"):
+            small_config(tmp_path, dram_bytes=16 * 4 * 4096).__class__.from_dict(
+                {**small_config(tmp_path).to_dict(), "dram": {**small_config(tmp_path).to_dict()["dram"], "name": name}}
+            )
+
+
+@pytest.mark.parametrize("damage", ["{", "[]", '{"version": 1}', '{"version": 1, "file_bytes": "x", "files": []}'])
+def test_a_damaged_pool_manifest_is_a_clear_error_not_a_traceback(tmp_path: Path, damage: str) -> None:
+    config = small_config(tmp_path / "node")
+    pool = Path(config.ssd.dir)
+    pool.mkdir(parents=True)
+    (pool / "pool.json").write_text(damage)
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(config.to_dict()))
+    exe = Path(sys.executable).parent / "flatcake"
+    r = subprocess.run([str(exe), "agent", "serve", "--config", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == ConfigError.exit_code, r.stderr
+    assert "pool.json" in r.stderr and "Traceback" not in r.stderr
