@@ -28,6 +28,8 @@ class RequestTiming:
 
     seconds: float
     first_layer_seconds: float
+    # When each layer was in place, in order (systems that stream layers; empty for whole requests)
+    layer_seconds: tuple[float, ...] = ()
 
 
 @dataclass
