@@ -156,7 +156,8 @@ def measure(system: str, directory: Path, cfg: ContextConfig, tokens: int) -> di
     # prepare pushes them all out.
     fraction = max((pages + 1.5) / pages, MIN_SEGMENT / session_bytes) if system == "mooncake" else 0.0
     spec = SystemSpec(layers=m, page_bytes=span, page_tokens=model.page_tokens, sessions=1,
-                      session_bytes=session_bytes, dram_fraction=fraction, flush_dram=True, mla=model.mla)  # fmt: skip
+                      session_bytes=session_bytes, dram_fraction=fraction, flush_dram=True, mla=model.mla,
+                      host_pool=True)  # fmt: skip
     store = make_system(STORED[system], directory, spec, pages)
     try:
         keys = [f"ctx-{tokens}-{i}" for i in range(pages)]
