@@ -12,12 +12,12 @@ is timed:
 - ``flatcake`` streams layers: layer l's prefill can start once layer l's KV is in place, so TTFT is
   the layer pipeline over the measured per-layer arrivals (``layer_pipeline_s``).
 
-One rank's KV is measured (TP ranks read in parallel, each its share). To fit this disk, only
+One rank's KV is measured, as if the rank had the device to itself. To fit this disk, only
 ``measured_layers`` of the model's layers are stored (page-layer size unchanged, so FlatCake's
 commands per layer keep their size) and the restore is scaled by layers / measured_layers; FlatCake's
-arrival pattern is repeated that many times back to back (``tile_arrivals``). The host->GPU copy
-(25-32 GB/s on PCIe 4/5 x16) is not modelled. Each measurement runs in a process of its own, as in
-``bench peers``.
+arrival pattern is repeated that many times back to back (``tile_arrivals``). The session is alone in
+every store (no eviction-order fragmentation). The host->GPU copy (25-32 GB/s on PCIe 4/5 x16) is
+not modelled. Each measurement runs in a process of its own, as in ``bench peers``.
 """
 
 from __future__ import annotations
@@ -359,8 +359,9 @@ def ratio_ranges(rows: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
 def assumptions(cfg: ContextConfig, model: ModelPreset) -> list[str]:
     scale = model.layers // cfg.measured_layers
     return [
-        f"one rank's KV ({model.name}: {model.page_layer_bytes} B page-layers, {model.page_tokens}-token pages); "
-        "the TP ranks read their shares in parallel",
+        f"one rank's KV ({model.name}: {model.page_layer_bytes} B page-layers, {model.page_tokens}-token pages), "
+        "on a device of its own: ranks that share one device would each take up to (ranks)x longer to restore",
+        "one session alone: its pages lie together in every store (no other session's evictions between them)",
         f"measured on {cfg.measured_layers} of {model.layers} layers, x{scale}: restore time x{scale}; FlatCake's "
         f"measured per-layer arrivals repeated {scale} times back to back",
         "each session is cold: written in 8K-token puts, synced, DRAM tier flushed (FlatCake: no DRAM share; "
