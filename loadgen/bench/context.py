@@ -437,6 +437,7 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
         points = paper[key]
         ax.scatter([int(n) for n in points], list(points.values()), marker=marker, s=80, color="black", label=label)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # recompute grows ~30x over the sweep, the stores ~10x
     ax.set_xticks(tokens, [f"{n // 1024}K" for n in tokens])
     m = report["model"]
     plots.label(ax, "cached prefix (tokens)", "TTFT (s)",
