@@ -59,6 +59,34 @@ def _bench_peers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ints(option: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{option}: {text!r} is not a comma-separated list of integers (e.g. 8192,16384)") from None
+
+
+def _bench_context(args: argparse.Namespace) -> int:
+    from flatcake.loadgen.bench import context as bc
+
+    cfg = bc.QUICK if args.quick else bc.ContextConfig()
+    overrides: dict[str, object] = {
+        k: getattr(args, k) for k in ("model", "gpu", "suffix", "measured_layers", "repeats") if getattr(args, k)
+    }
+    if args.tokens:
+        overrides["tokens"] = _ints("--tokens", args.tokens)
+    if args.systems:
+        overrides["systems"] = tuple(args.systems.split(","))
+    cfg = dataclasses.replace(cfg, **overrides)  # type: ignore[arg-type]
+    cfg.geometry()  # a bad option fails here, before anything is written
+    report = bc.run(cfg, Path(args.dir), log=lambda m: print(m, file=sys.stderr))
+    print(bc.format_table(report))
+    out = Path(args.out)
+    report["plots"] = bc.plot(report, out)
+    _write_json(args.json or str(out / "context.json"), report)
+    return 0
+
+
 def _bench_agent(args: argparse.Namespace) -> int:
     from flatcake.loadgen.bench import agent as ba
 
@@ -264,6 +292,21 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_argument("--dram-fraction", type=float, dest="dram_fraction", help="DRAM tier as a share of pages")
     peers.add_argument("--budget-mib", type=int, help="the most one system stores, when --pages-per-turn is not given")
     peers.set_defaults(func=_bench_peers)
+
+    ctx = bench.add_parser("context", help="TTFT vs cached context length: recompute, tiered, Mooncake, FlatCake")
+    ctx.add_argument("--quick", action="store_true", help="2K and 8K tokens, 2 measured layers, one repeat")
+    ctx.add_argument("--model", help="model preset (default llama3-70b-tp4)")
+    ctx.add_argument("--gpu", help="GPU profile for the compute model: a100 (default) or h200")
+    ctx.add_argument("--tokens", help="cached-prefix lengths, comma-separated (default 8192,16384,32768,65536,131072)")
+    ctx.add_argument("--suffix", type=int, help="new tokens prefilled after the cached prefix (default 512)")
+    ctx.add_argument("--systems", help="comma-separated: recompute,tiered,mooncake,flatcake (default all)")
+    ctx.add_argument("--measured-layers", type=int, dest="measured_layers",
+                     help="layers stored and restored; the restore is scaled to the model's (default 10)")  # fmt: skip
+    ctx.add_argument("--repeats", type=int, help="measurements per system and length (default 3)")
+    ctx.add_argument("--json", metavar="PATH", help="write the results as JSON (default: OUT/context.json)")
+    ctx.add_argument("--out", default="results/context", help="where the plot and JSON go")
+    ctx.add_argument("--dir", default=".flatcake-bench", help="scratch directory on the disk to measure")
+    ctx.set_defaults(func=_bench_context)
 
     agent_bench = bench.add_parser("agent", help="control-path round trips through the agent vs in-process")
     agent_bench.add_argument("--quick", action="store_true", help="half a second per point")

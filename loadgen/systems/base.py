@@ -28,6 +28,8 @@ class RequestTiming:
 
     seconds: float
     first_layer_seconds: float
+    # When each layer was in place, in order (systems that stream layers; empty for whole requests)
+    layer_seconds: tuple[float, ...] = ()
 
 
 @dataclass
@@ -60,6 +62,8 @@ class SystemSpec:
     # prepare() empties DRAM tiers too (every restore from SSD), or keeps them (the DRAM budget at work)
     flush_dram: bool = True
     mla: bool = True  # one latent per token (a flat byte page per layer), or MHA K/V heads (SGLang's layouts)
+    # tiered: read into a host pool allocated once for the largest session (SGLang's), not a buffer per restore
+    host_pool: bool = False
 
     @property
     def page_span(self) -> int:

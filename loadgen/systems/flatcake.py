@@ -60,14 +60,14 @@ class FlatCakeSystem:
 
     def restore(self, keys: Sequence[Key], dest: Array, dest_pages: Sequence[int] | None = None) -> int:
         started = time.perf_counter()
-        first = None
+        arrivals: list[float] = []
         with self.engine.get(keys, dest, dest_pages) as restore:
             for _layer in restore:  # a consumer would run layer l here while l+1 is read
-                first = time.perf_counter() - started if first is None else first
+                arrivals.append(time.perf_counter() - started)
             self._peak = max(self._peak, restore.staging_peak_bytes)
             missing = len(restore.missing)
         took = time.perf_counter() - started
-        self._timings.append(RequestTiming(took, took if first is None else first))
+        self._timings.append(RequestTiming(took, arrivals[0] if arrivals else took, tuple(arrivals)))
         return missing
 
     def counters(self) -> RestoreCounters:
