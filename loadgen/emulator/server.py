@@ -729,6 +729,25 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
+    """An optional nested object (``stream_options``, ``sampling_params``): absent or null is empty."""
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad_request(f"{name}: an object, got {type(value).__name__}")
+    return value
+
+
+def _flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad_request(f"{name}: true or false, got {type(value).__name__}")
+    return value
+
+
 def _max_tokens(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value > 65536:
         raise _bad_request("max_tokens: an integer in 1..65536")
@@ -741,6 +760,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     tokens = _prompt(body.get("prompt"), "prompt")
     n = _max_tokens(body.get("max_tokens", 16))
+    stream = _flag(body, "stream")
+    include = _flag(_object(body, "stream_options"), "include_usage", True)
     model = str(body.get("model", "flatcake-emulator"))
     cid, created = f"cmpl-{next(emu._ids)}", int(time.time())
     out = await emu.prefill(tokens)
@@ -757,7 +778,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             c["usage"] = usage
         return c
 
-    if not body.get("stream"):
+    if not stream:
         text = "".join([f" t{i}" async for i in emu.decode(n)])
         return web.json_response(chunk(text, "length", _usage(emu, out, n)))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -766,7 +787,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async for i in emu.decode(n - 1):
         await resp.write(b"data: " + json.dumps(chunk(f" t{i + 1}", None)).encode() + b"\n\n")
     final = chunk("", "length")
-    include = (body.get("stream_options") or {}).get("include_usage", True)
     await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
     if include:
         usage = {**chunk("", None), "choices": [], "usage": _usage(emu, out, n)}
@@ -781,7 +801,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     emu: Emulator = request.app[EMULATOR]
     body = await _body(request)
     tokens = _prompt(body.get("input_ids"), "input_ids")
-    n = _max_tokens((body.get("sampling_params") or {}).get("max_new_tokens", 16))
+    n = _max_tokens(_object(body, "sampling_params").get("max_new_tokens", 16))
+    stream = _flag(body, "stream")
     out = await emu.prefill(tokens)
 
     def meta(done: int) -> dict[str, Any]:
@@ -790,7 +811,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 "cached_tokens": u["prompt_tokens_details"]["cached_tokens"], "flatcake": u["flatcake"],
                 "finish_reason": {"type": "length", "length": n} if done == n else None}  # fmt: skip
 
-    if not body.get("stream"):
+    if not stream:
         text = "".join([f" t{i}" async for i in emu.decode(n)])
         return web.json_response({"text": text, "meta_info": meta(n)})
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

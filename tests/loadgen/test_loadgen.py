@@ -68,6 +68,21 @@ def test_generate_and_bad_requests(emulator: Server) -> None:
     assert post("/v1/completions", {"prompt": [1.5]})[0] == 400
     status, body = post("/v1/completions", {"prompt": [1, 2], "max_tokens": 0})
     assert status == 400 and "max_tokens" in body["error"]["message"]
+    # Malformed fields are the client's error (400, naming the field), never the server's (500).
+    for path, payload, field in (
+        ("/v1/completions", {"prompt": [1, 2], "stream_options": [1]}, "stream_options"),
+        ("/v1/completions", {"prompt": [1, 2], "stream": "yes"}, "stream"),
+        (
+            "/v1/completions",
+            {"prompt": [1, 2], "stream": True, "stream_options": {"include_usage": 1}},
+            "include_usage",
+        ),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": "fast"}, "sampling_params"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "3"}}, "max_tokens"),
+        ("/generate", {"input_ids": "abc", "stream": 1}, "stream"),
+    ):
+        status, body = post(path, payload)
+        assert status == 400 and body["error"]["message"].startswith(field), (path, payload, body)
     with urllib.request.urlopen(f"http://127.0.0.1:{emulator.port}/metrics") as r:
         text = r.read().decode()
     assert "flatcake_prompt_tokens_total" in text and "flatcake_hit_tokens_total" in text
