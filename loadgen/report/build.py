@@ -189,28 +189,32 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
     systems = report["systems"]
     names: list[str] = []
 
-    def series(system: str, key: str, scale: float = 1.0) -> tuple[list[float], list[float]]:
+    def spread(ax: Any, system: str, key: str, scale: float = 1.0) -> None:
+        """The median over repeats, with a bar from the lowest to the highest repeat."""
         runs = sorted(systems[system].values(), key=lambda r: r["qps"])
-        return [r["qps"] for r in runs], [r[key] * scale for r in runs]
+        mid = [r["spread"][key]["median"] * scale for r in runs]
+        low = [m - r["spread"][key]["min"] * scale for m, r in zip(mid, runs, strict=True)]
+        high = [r["spread"][key]["max"] * scale - m for m, r in zip(mid, runs, strict=True)]
+        ax.errorbar([r["qps"] for r in runs], mid, yerr=[low, high], marker="o", capsize=3, label=system)
 
     def save(fig: Any, name: str) -> None:
         names.append(plots.save(fig, out_dir / name).name)
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for s in systems:
-        axes[0].plot(*series(s, "ttft_mean_s"), marker="o", label=s)
-        axes[1].plot(*series(s, "ttft_p50_s"), marker="o", label=s)
-    for ax, title in zip(axes, ("mean TTFT", "median TTFT"), strict=True):
+        spread(axes[0], s, "ttft_mean_s")
+        spread(axes[1], s, "ttft_p50_s")
+    for ax, title in zip(axes, ("mean TTFT (bars: min-max over repeats)", "median TTFT"), strict=True):
         plots.label(ax, "QPS", "seconds", title, legend=True)
     save(fig, "ttft.png")
     fig, ax = plt.subplots(figsize=(5, 4))
     for s in systems:
-        ax.plot(*series(s, "throughput_tokens_per_s"), marker="o", label=s)
+        spread(ax, s, "throughput_tokens_per_s")
     plots.label(ax, "QPS", "tokens/s (prompt + output)", "throughput", legend=True)
     save(fig, "throughput.png")
     fig, ax = plt.subplots(figsize=(5, 4))
     for s in systems:
-        ax.plot(*series(s, "delivered_hit_rate", 100), marker="o", label=s)
+        spread(ax, s, "delivered_hit_rate", 100)
     ideal = report["meta"].get("ideal_hit_rate_pages")
     if ideal is not None:
         pages = report["meta"].get("page_tokens", 256)
