@@ -167,6 +167,24 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from flatcake.loadgen.simulate import report as sr
+    from flatcake.loadgen.simulate import run as sim
+
+    sizes = {"dram_bytes": ("--dram", args.dram), "ssd_bytes": ("--ssd", args.ssd), "hbm_bytes": ("--hbm", args.hbm)}
+    given: dict[str, object] = {k: sim.parse_size(text, flag) for k, (flag, text) in sizes.items() if text is not None}
+    names = ("trace", "limit", "nodes", "gpus_per_node", "model", "gpu", "qps", "systems", "device", "scheduler",
+             "prefetch_policy", "workers")  # fmt: skip
+    given.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    cfg = dataclasses.replace(sim.SimConfig(), **given)  # type: ignore[arg-type]
+    report = sim.sweep(cfg, log=lambda m: print(m, file=sys.stderr), quiet=args.quiet)
+    print(sr.format_table(report))
+    if args.out:
+        report["plots"] = sr.plot(report, Path(args.out))
+    _write_json(args.json or (str(Path(args.out) / "simulate.json") if args.out else None), report)
+    return 0
+
+
 def _loadgen_run(args: argparse.Namespace) -> int:
     from flatcake.loadgen.replay.run import LoadgenConfig, run
 
@@ -329,6 +347,27 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--scale", type=float, default=1.0, help="multiply context and turn lengths")
     synth.add_argument("--out", required=True, help="output JSONL (FlatCake generic format)")
     synth.set_defaults(func=_trace_synth)
+
+    simp = sub.add_parser("simulate", help="cluster-scale what-if simulation on the agent's own policy code")
+    simp.add_argument("--trace", help="trace to simulate (default: the bundled agentic trace)")
+    simp.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    simp.add_argument("--nodes", type=int, help="nodes (default 1)")
+    simp.add_argument("--gpus-per-node", type=int, dest="gpus_per_node", help="GPUs per node (default 8)")
+    simp.add_argument("--dram", help="DRAM per node, e.g. 1TiB (default)")
+    simp.add_argument("--ssd", help="SSD per node, e.g. 4TiB (default)")
+    simp.add_argument("--hbm", help="one GPU's KV pool, e.g. 8GiB (default: the preset's share of the GPU's HBM)")
+    simp.add_argument("--model", help="model preset: dsv4-flash (default) or llama3-70b-tp4")
+    simp.add_argument("--gpu", help="GPU compute profile: h200 (default) or a100")
+    simp.add_argument("--qps", type=_csv(float, "--qps"), help="arrival rates (default 0.1,0.25,0.5,1.0)")
+    simp.add_argument("--systems", type=_csv(str, "--systems"), help="flatcake,tiered-l2,tiered-l3 (default all)")
+    simp.add_argument("--device", help="storage profile: nvme-raid0-4x-pm9a3 (default) or this-vm")
+    simp.add_argument("--scheduler", help="FlatCake's scheduler: mas (default) or fcfs")
+    simp.add_argument("--prefetch-policy", dest="prefetch_policy", help="tiered: timeout (default), best_effort, ...")
+    simp.add_argument("--workers", type=int, help="processes for the sweep's points (default 2)")
+    simp.add_argument("--json", metavar="PATH", help="write the results as JSON (default: OUT/simulate.json)")
+    simp.add_argument("--out", help="where plots and JSON go")
+    simp.add_argument("--quiet", action="store_true", help="no progress bar")
+    simp.set_defaults(func=_simulate)
 
     lg = sub.add_parser("loadgen", help="load generation").add_subparsers(dest="loadgen_cmd", required=True)
     lrun = lg.add_parser("run", help="replay a trace with Locust (headless) against an inference endpoint")

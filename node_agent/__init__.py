@@ -14,6 +14,9 @@ A tour in twenty lines:
 - ``connect(socket)`` is the same ``Engine`` whose catalog is the node agent: many processes on a node
   share one index and one allocator, and move the bytes themselves. ``spawn`` starts an agent process.
 - ``Scheduler`` orders requests by the slowest medium they need (FC-MAS); ``needs_ssd`` is its test.
+- The pure policy behind them, for what-if tools that must run the agent's own decisions
+  (``flatcake simulate``): ``decide`` (Table 2 placement, a ``Decision`` with its ``Reason``),
+  ``ScopeTable`` (scopes, index, reclaim; ``Location``), ``plan_restore`` (FC-CIO read plans), ``hrrn``.
 - Errors: every failure is a ``FlatCakeError``: ``ConfigError``, ``ProtocolError``, ``CapacityError``
   (``PoolFullError``), ``NotFoundError`` (``UnknownKeyError``), ``StorageIOError``
   (``StorageWriteError``), ``FencedError``, ``PrepareError``.
@@ -55,9 +58,11 @@ from flatcake.node_agent.datapath.engine import Engine, PutResult, local_table
 from flatcake.node_agent.datapath.file_pool import create_pool, open_direct
 from flatcake.node_agent.datapath.io_backends import IOBackend, PosixDirectIO
 from flatcake.node_agent.datapath.restore import Restore
+from flatcake.node_agent.policy.coalesce import plan_restore
 from flatcake.node_agent.policy.gva import SSD_THRESHOLD, Medium, needs_ssd
-from flatcake.node_agent.policy.placement import Hints, Key
-from flatcake.node_agent.policy.scheduler import Request, Scheduler
+from flatcake.node_agent.policy.placement import Decision, Hints, Key, Reason, decide
+from flatcake.node_agent.policy.scheduler import Request, Scheduler, hrrn
+from flatcake.node_agent.policy.scopes import Location, ScopeTable
 from flatcake.node_agent.service import protocol
 from flatcake.node_agent.service.client import AgentConnection, connect
 from flatcake.node_agent.service.main import spawn
@@ -68,6 +73,7 @@ __all__ = [
     "AgentConnection",
     "CapacityError",
     "ConfigError",
+    "Decision",
     "DramConfig",
     "Engine",
     "EngineConfig",
@@ -78,6 +84,7 @@ __all__ = [
     "IOConfig",
     "Key",
     "LocalCatalog",
+    "Location",
     "Medium",
     "NotFoundError",
     "PlacementConfig",
@@ -86,10 +93,12 @@ __all__ = [
     "PrepareError",
     "ProtocolError",
     "PutResult",
+    "Reason",
     "Request",
     "Restore",
     "Scheduler",
     "SchedulerConfig",
+    "ScopeTable",
     "SsdConfig",
     "StorageIOError",
     "StorageWriteError",
@@ -98,9 +107,12 @@ __all__ = [
     "aligned_empty",
     "connect",
     "create_pool",
+    "decide",
+    "hrrn",
     "local_table",
     "needs_ssd",
     "open_direct",
+    "plan_restore",
     "protocol",
     "round_up",
     "spawn",

@@ -1,0 +1,561 @@
+"""The simulated systems on one cluster: FlatCake (the agent's catalog, placement, reclaim, read plans
+and FC-MAS), tiered-l2 (SGLang HiCache's host tier only) and tiered-l3 (host tier evicting into an
+SSD log in eviction order, Mooncake-like, read a whole page per command).
+
+Each node has its storage devices; each serving instance (a tensor/expert-parallel group of
+``width`` GPUs) has a GPU that prefills one request at a time, an HBM prefix cache and a host-to-device
+link. Everything is in one rank's view: a page is one rank's ``layers x page_layer_bytes`` and the
+node's devices and DRAM/SSD are divided by the ranks that share them (ranks are symmetric).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flatcake.errors import CapacityError
+from flatcake.loadgen.simulate.devices import Device, DeviceProfile
+from flatcake.loadgen.simulate.events import EventLoop
+from flatcake.loadgen.simulate.hbm import HbmCache
+from flatcake.loadgen.simulate.workload import SimRequest, route
+from flatcake.loadgen.systems import hicache
+from flatcake.node_agent import (
+    SSD_THRESHOLD,
+    Hints,
+    LocalCatalog,
+    Location,
+    Medium,
+    PlacementConfig,
+    Request,
+    Scheduler,
+    ScopeTable,
+    plan_restore,
+)
+
+SYSTEMS = ("flatcake", "tiered-l2", "tiered-l3")
+OFFSET_MASK = (1 << 48) - 1
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Sizes and costs in one rank's view (``run.cluster`` derives them from the CLI's node sizes)."""
+
+    nodes: int
+    instances_per_node: int
+    width: int  # GPUs per instance (ranks sharing a page's bytes)
+    layers: int
+    page_tokens: int
+    page_layer_bytes: int
+    hbm_pages: int  # per instance
+    dram_bytes: int  # per node, one rank's share (node DRAM / width)
+    ssd_bytes: int  # per node, one rank's share
+    device: DeviceProfile
+    prefill_s: Callable[[int, int], float]
+    decode_s_per_token: float
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    scheduler: str = "mas"
+    scope_file_bytes: int = 256 << 20  # per rank: SsdConfig's default
+    gap_bytes: int = 64 * 1024  # Δgap (IOConfig default)
+    staging_slot_bytes: int = 8 << 20
+    streams: int = 4  # FlatCake's concurrent restores per instance (IOConfig default)
+    prefetch_policy: str = hicache.DEFAULT_PREFETCH_POLICY
+    bucket_bytes: int = 64 << 20  # tiered L3 log bucket (bench restore's)
+
+    @property
+    def page_span(self) -> int:
+        return self.layers * self.page_layer_bytes
+
+
+@dataclass
+class Record:
+    """One request's outcome."""
+
+    index: int
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    pages: int
+    hit: dict[str, int] = field(default_factory=lambda: {"hbm": 0, "dram": 0, "ssd": 0})
+    start: float = 0.0
+    first_token: float = 0.0
+    done: float = 0.0
+    prefetch_s: float | None = None
+    declined_pages: int = 0
+    unprefetched_pages: int = 0
+
+
+@dataclass(eq=False)
+class Job:
+    req: SimRequest
+    rec: Record
+    inst: Instance
+    hbm_pages: int  # leading pages in HBM at arrival (pinned until prefill)
+    lease: Any = None  # FlatCake: pinned scopes of the stored prefix
+    ssd_keys: list[int] = field(default_factory=list)
+    ssd_locs: list[Location] = field(default_factory=list)
+    prefetched: set[int] = field(default_factory=set)
+    # tiered (SGLang HiCache)
+    op: hicache.Prefetch | None = None
+    staged: int = 0
+    attempts: int = 0
+    retry: bool = False
+    declined: int = 0
+    io_pos: int = 0
+
+
+class Instance:
+    def __init__(self, node: int, index: int, c: Cluster) -> None:
+        self.node, self.index = node, index
+        self.hbm = HbmCache(c.hbm_pages)
+        self.h2d = Device(c.device.h2d_bytes_per_s, 0.0, 1)
+        self.busy = False
+        self.sched = Scheduler(c.scheduler)
+        self.jobs: dict[str, Job] = {}
+        self.active_prefetches = 0
+        # tiered
+        self.l2: OrderedDict[int, None] = OrderedDict()
+        self.waiting: list[Job] = []
+        self.staging_tokens = 0
+        self.io: deque[Job] = deque()
+        self.io_busy = False
+        self.wake_at: float | None = None
+
+
+class System:
+    name = "system"
+
+    def __init__(self, c: Cluster, loop: EventLoop) -> None:
+        self.c, self.loop = c, loop
+        ranks = c.width
+        # A node's devices serve all its ranks at once: one rank's view gets a rank's share.
+        self.ssd = [
+            Device(c.device.read_bytes_per_s / ranks, c.device.command_s, max(1, c.device.queue_depth // ranks),
+                   c.device.write_bytes_per_s / ranks)
+            for _ in range(c.nodes)
+        ]  # fmt: skip
+        self.instances = [[Instance(n, i, c) for i in range(c.instances_per_node)] for n in range(c.nodes)]
+        self.records: list[Record] = []
+        self.on_done: Callable[[Record], None] | None = None
+        self.useful_ssd_bytes = 0  # bytes of SSD pages that reached a prefill as hits
+        self.ssd_pages_read = 0
+        self.store_failures = 0
+
+    # ---- shared ---------------------------------------------------------------------------------
+    def instance(self, req: SimRequest) -> Instance:
+        node = route(req.session, self.c.nodes)
+        return self.instances[node][route(req.session + "/i", self.c.instances_per_node)]
+
+    def arrive(self, req: SimRequest) -> None:
+        raise NotImplementedError
+
+    def _finish_prefill(self, job: Job, cached: int, dram_pages: int) -> None:
+        """Start the prefill of the uncached tokens now; the GPU is busy until the first token."""
+        c, now, rec = self.c, self.loop.now, job.rec
+        rec.start = now
+        cached_tokens = min(cached * c.page_tokens, job.req.input_tokens)
+        ready = job.inst.h2d.submit(now, dram_pages * c.page_span, 1) if dram_pages else now
+        end = ready + (c.prefill_s(job.req.input_tokens - cached_tokens, cached_tokens))
+        job.inst.busy = True
+        self.loop.at(end, self._prefill_done, job, cached)
+
+    def _prefill_done(self, job: Job, cached: int) -> None:
+        rec, inst, now = job.rec, job.inst, self.loop.now
+        rec.first_token = now
+        rec.done = now + rec.output_tokens * self.c.decode_s_per_token
+        inst.busy = False
+        keys = job.req.keys
+        inst.hbm.pin(keys[: job.hbm_pages], -1)
+        inst.hbm.pin(job.prefetched, -1)
+        inst.hbm.insert(list(keys))  # the whole prompt is in HBM after its prefill
+        self.store(job, cached)
+        self.records.append(rec)
+        if self.on_done is not None:
+            self.on_done(rec)
+        self.dispatch(inst)
+
+    def store(self, job: Job, cached: int) -> None:
+        raise NotImplementedError
+
+    def dispatch(self, inst: Instance) -> None:
+        raise NotImplementedError
+
+    def occupancy(self) -> tuple[int, int]:
+        """(DRAM bytes, SSD bytes) used, cluster-wide, all ranks."""
+        raise NotImplementedError
+
+    def counters(self) -> dict[str, Any]:
+        return {}
+
+
+class FlatCake(System):
+    name = "flatcake"
+
+    def __init__(self, c: Cluster, loop: EventLoop) -> None:
+        super().__init__(c, loop)
+        self.tables = [
+            ScopeTable(node_id=n, layers=c.layers, page_bytes=c.page_layer_bytes, file_bytes=c.scope_file_bytes,
+                       files=max(1, c.ssd_bytes // c.scope_file_bytes), dram_slots=max(1, c.dram_bytes // c.page_span))
+            for n in range(c.nodes)
+        ]  # fmt: skip
+        # The agent's catalog, without a journal: allocate (placement by Table 2, parent scopes), publish,
+        # leases that pin scopes, reclaim whole scopes oldest first.
+        self.catalogs = [LocalCatalog(t, c.placement) for t in self.tables]
+        self.children: list[dict[int | None, set[int]]] = [{} for _ in range(c.nodes)]
+        self.decisions: list[tuple[Hints, Medium, str]] = []  # every allocation: for the placement check
+        self.placed_bytes = {Medium.DRAM: 0, Medium.SSD: 0}
+        self.read_commands = 0
+        self.read_bytes = 0
+
+    def arrive(self, req: SimRequest) -> None:
+        inst = self.instance(req)
+        now = self.loop.now
+        rec = Record(req.index, now, req.input_tokens, req.output_tokens, len(req.keys))
+        keys = req.keys
+        h = inst.hbm.prefix(keys)
+        inst.hbm.touch(keys[:h])
+        inst.hbm.pin(keys[:h], +1)
+        job = Job(req, rec, inst, h)
+        catalog = self.catalogs[inst.node]
+        rest = keys[h:]
+        n = catalog.exists(rest)
+        if n:
+            job.lease = catalog.acquire(rest[:n])
+            for key, loc in zip(rest[:n], job.lease.locations, strict=True):
+                if loc.gva >= SSD_THRESHOLD:
+                    job.ssd_keys.append(key)
+                    job.ssd_locs.append(loc)
+        r = Request(str(req.index), now, ssd_bytes=len(job.ssd_keys) * self.c.page_span)
+        inst.jobs[r.id] = job
+        inst.sched.arrive(r)
+        self._pump_prefetch(inst)
+        self.dispatch(inst)
+
+    def _pump_prefetch(self, inst: Instance) -> None:
+        c, now = self.c, self.loop.now
+        while inst.active_prefetches < c.streams:
+            r = inst.sched.next_prefetch(now)
+            if r is None:
+                return
+            job = inst.jobs[r.id]
+            gva = np.fromiter((loc.gva & OFFSET_MASK for loc in job.ssd_locs), np.int64, len(job.ssd_locs))
+            stride = np.fromiter((loc.layer_stride for loc in job.ssd_locs), np.int64, len(job.ssd_locs))
+            fb = c.scope_file_bytes
+            fills = plan_restore(gva // fb, gva % fb, stride, c.layers, c.page_layer_bytes, c.gap_bytes,
+                                 c.staging_slot_bytes)  # fmt: skip
+            commands = sum(f.hi - f.lo for f in fills)
+            nbytes = sum(f.nbytes for f in fills)
+            self.read_commands += commands
+            self.read_bytes += nbytes
+            self.ssd_pages_read += len(job.ssd_keys)
+            done = self.ssd[inst.node].submit(now, nbytes, commands)
+            inst.active_prefetches += 1
+            self.loop.at(done, self._prefetched, inst, r.id)
+
+    def _prefetched(self, inst: Instance, rid: str) -> None:
+        job = inst.jobs[rid]
+        job.rec.prefetch_s = self.loop.now - job.rec.arrival
+        job.prefetched.update(job.ssd_keys)
+        inst.hbm.pin(job.ssd_keys, +1)
+        inst.hbm.insert(job.ssd_keys)
+        inst.active_prefetches -= 1
+        inst.sched.prefetch_done(rid)
+        self._pump_prefetch(inst)
+        self.dispatch(inst)
+
+    def dispatch(self, inst: Instance) -> None:
+        if inst.busy:
+            return
+        r = inst.sched.next_dispatch()
+        if r is None:
+            return
+        job = inst.jobs.pop(r.id)
+        keys, hbm, rec = job.req.keys, inst.hbm, job.rec
+        cached = hbm.prefix(keys)
+        for key in keys[:cached]:
+            rec.hit["ssd" if key in job.prefetched else "hbm"] += 1
+        dram = 0
+        if job.lease is not None and cached >= job.hbm_pages:
+            # The rest of the leased prefix: DRAM pages copy in at dispatch, prefetched SSD pages are in HBM.
+            for key, loc in zip(keys[cached:], job.lease.locations[cached - job.hbm_pages :], strict=False):
+                if key in hbm:
+                    rec.hit["ssd" if key in job.prefetched else "hbm"] += 1
+                elif loc.gva < SSD_THRESHOLD:
+                    dram += 1
+                else:
+                    break
+                cached += 1
+        rec.hit["dram"] = dram
+        self.useful_ssd_bytes += rec.hit["ssd"] * self.c.page_span
+        self._finish_prefill(job, cached, dram)
+
+    def store(self, job: Job, cached: int) -> None:
+        inst, req = job.inst, job.req
+        catalog = self.catalogs[inst.node]
+        if job.lease is not None:
+            catalog.release(job.lease.id)
+        keys = list(req.keys)
+        if cached >= len(keys):
+            return
+        parent = keys[cached - 1] if cached else None
+        kids = self.children[inst.node].setdefault(parent, set())
+        kids.add(keys[cached])
+        hints = Hints(prefix_refcount=len(kids) if parent is not None else 1, turn=req.turn,
+                      prev_reply_tokens=req.prev_reply_tokens, context_tokens=req.input_tokens)  # fmt: skip
+        try:
+            alloc = catalog.allocate(keys, hints)
+        except CapacityError:
+            self.store_failures += 1
+            return
+        if alloc is None:
+            return
+        new = [keys[i] for i in alloc.index]
+        self.decisions.append((hints, alloc.medium, alloc.reason))
+        c = self.c
+        if alloc.medium is Medium.DRAM:
+            self.placed_bytes[Medium.DRAM] += len(alloc.slots) * c.page_span
+            catalog.publish(alloc.id, [0] * len(new))
+            return
+        self.placed_bytes[Medium.SSD] += sum(1 for s in alloc.segments if s.offset == 0) * c.scope_file_bytes
+        # New pages stay pinned in HBM until their write lands; then the key is published.
+        inst.hbm.pin(new, +1)
+        done = self.ssd[inst.node].submit(self.loop.now, len(new) * c.page_span, len(alloc.segments), write=True)
+        self.loop.at(done, self._written, inst, alloc.id, new)
+
+    def _written(self, inst: Instance, alloc_id: int, new: list[int]) -> None:
+        self.catalogs[inst.node].publish(alloc_id, [0] * len(new))
+        inst.hbm.pin(new, -1)
+
+    def occupancy(self) -> tuple[int, int]:
+        w = self.c.width
+        dram = sum(t.used(Medium.DRAM) * t.unit_bytes(Medium.DRAM) for t in self.tables) * w
+        ssd = sum(t.used(Medium.SSD) * t.unit_bytes(Medium.SSD) for t in self.tables) * w
+        return dram, ssd
+
+    def counters(self) -> dict[str, Any]:
+        placements: dict[str, int] = {}
+        for cat in self.catalogs:
+            for k, v in cat.placements.snapshot().items():
+                placements[k] = placements.get(k, 0) + v
+        return {"placements_pages": placements, "store_failures": self.store_failures}
+
+
+class Tiered(System):
+    """SGLang HiCache's rules (loadgen/systems/hicache.py): FCFS, prefetch at admission in 128-page batches
+    by one I/O thread, declined at half the host pool in flight, stopped by the timeout policy."""
+
+    def __init__(self, c: Cluster, loop: EventLoop, l3: bool) -> None:
+        super().__init__(c, loop)
+        self.name = "tiered-l3" if l3 else "tiered-l2"
+        self.l3_enabled = l3
+        # Each instance's host pool is its ranks' share of the node's DRAM.
+        self.l2_pages = max(1, c.dram_bytes // c.instances_per_node // c.page_span)
+        self.host_pool_tokens = self.l2_pages * c.page_tokens
+        self.bucket_pages = max(1, c.bucket_bytes // c.page_span)
+        self.buckets = max(1, c.ssd_bytes // (self.bucket_pages * c.page_span)) if l3 else 0
+        self.l3: list[dict[int, int]] = [{} for _ in range(c.nodes)]  # key -> bucket
+        self.bucket_keys: list[list[list[int]]] = [[[] for _ in range(self.buckets)] for _ in range(c.nodes)]
+        self.cursor = [0] * c.nodes
+        self.reclaimed_buckets = 0
+        self.invalidated_pages = 0
+        self.read_commands = 0
+        self.read_bytes = 0
+
+    def _l3_prefix(self, node: int, keys: tuple[int, ...], start: int) -> int:
+        l3, n = self.l3[node], start
+        while n < len(keys) and keys[n] in l3:
+            n += 1
+        return n - start
+
+    def arrive(self, req: SimRequest) -> None:
+        inst = self.instance(req)
+        now = self.loop.now
+        rec = Record(req.index, now, req.input_tokens, req.output_tokens, len(req.keys))
+        keys = req.keys
+        h = inst.hbm.prefix(keys)
+        inst.hbm.touch(keys[:h])
+        inst.hbm.pin(keys[:h], +1)
+        job = Job(req, rec, inst, h)
+        d = 0
+        while h + d < len(keys) and keys[h + d] in inst.l2:
+            d += 1
+        if self.l3_enabled:
+            s = self._l3_prefix(inst.node, keys, h + d)
+            job.ssd_keys = list(keys[h + d : h + d + s])
+        self._try_prefetch(job)
+        inst.waiting.append(job)
+        self.dispatch(inst)
+
+    def _try_prefetch(self, job: Job) -> None:
+        tokens = len(job.ssd_keys) * self.c.page_tokens
+        job.retry = False
+        if not self.l3_enabled or not hicache.worth_prefetching(tokens):
+            return
+        inst = job.inst
+        if hicache.rate_limited(inst.staging_tokens, self.host_pool_tokens):
+            job.attempts += 1
+            job.retry = job.attempts <= hicache.RETRY_MAX_ATTEMPTS
+            return
+        job.op = hicache.Prefetch(pages=len(job.ssd_keys))
+        job.staged = tokens
+        inst.staging_tokens += tokens
+        inst.io.append(job)
+        self._pump_io(inst)
+
+    def _pump_io(self, inst: Instance) -> None:
+        """The one prefetch I/O thread: the next 128-page batch of the oldest operation."""
+        while not inst.io_busy and inst.io:
+            job = inst.io[0]
+            op = job.op
+            assert op is not None
+            if op.terminated or job.io_pos >= op.pages:
+                self._op_finished(inst, job)
+                continue
+            batch = job.ssd_keys[job.io_pos : job.io_pos + hicache.STORAGE_BATCH_PAGES]
+            got = self._l3_prefix(inst.node, tuple(batch), 0)  # reclaimed meanwhile: the batch stops there
+            span = self.c.page_span
+            self.read_commands += got  # whole-page reader: one command per page, all its layers
+            self.read_bytes += got * span
+            self.ssd_pages_read += got
+            done = self.ssd[inst.node].submit(self.loop.now, got * span, got)
+            inst.io_busy = True
+            self.loop.at(done, self._batch_done, inst, job, batch[:got], len(batch))
+
+    def _batch_done(self, inst: Instance, job: Job, got: list[int], asked: int) -> None:
+        inst.io_busy = False
+        op = job.op
+        assert op is not None
+        if not op.terminated:  # a stopped prefetch's late pages are not the request's
+            job.prefetched.update(got)
+            inst.hbm.pin(got, +1)
+            inst.hbm.insert(got)
+            op.completed += len(got)
+        self._l2_insert(inst, got)  # read pages join the host tier
+        job.io_pos += asked
+        if len(got) < asked:
+            job.io_pos = op.pages
+        if job.io_pos >= op.pages:
+            self._op_finished(inst, job)
+        self._pump_io(inst)
+        self.dispatch(inst)
+
+    def _op_finished(self, inst: Instance, job: Job) -> None:
+        assert job.op is not None
+        if not job.op.finished:
+            job.op.finished = True
+            job.rec.prefetch_s = self.loop.now - job.rec.arrival
+        if inst.io and inst.io[0] is job:
+            inst.io.popleft()
+
+    def dispatch(self, inst: Instance) -> None:
+        """One SGLang scheduling pass over the FCFS waiting queue."""
+        if inst.busy:
+            return
+        now, pt = self.loop.now, self.c.page_tokens
+        wake: float | None = None
+        chosen = None
+        for job in inst.waiting:
+            if job.retry:
+                self._try_prefetch(job)
+            op = job.op
+            if op is not None and not op.terminated:
+                if not op.may_stop(self.c.prefetch_policy, now, pt):
+                    deadline = op.deadline(pt) if self.c.prefetch_policy == "timeout" else None
+                    if deadline is not None:
+                        wake = deadline if wake is None else min(wake, deadline)
+                    continue
+                op.terminated = True
+            chosen = job
+            break
+        if chosen is None:
+            if wake is not None and (inst.wake_at is None or wake < inst.wake_at or inst.wake_at <= now):
+                inst.wake_at = wake
+                self.loop.at(wake + 1e-6, self.dispatch, inst)
+            return
+        inst.waiting.remove(chosen)
+        job = chosen
+        if job.staged:
+            inst.staging_tokens -= job.staged
+            job.staged = 0
+        if job.retry or (job.attempts and job.op is None):
+            job.declined = len(job.ssd_keys)
+        keys, rec = job.req.keys, job.rec
+        cached = inst.hbm.prefix(keys)
+        for key in keys[:cached]:
+            rec.hit["ssd" if key in job.prefetched else "hbm"] += 1
+        dram = 0
+        l2 = inst.l2
+        while cached < len(keys) and keys[cached] in l2:
+            l2.move_to_end(keys[cached])
+            dram += 1
+            cached += 1
+        rec.hit["dram"] = dram
+        if cached < len(keys) and keys[cached] in self.l3[inst.node]:
+            # SGLang reads storage only through a prefetch: what it did not bring is recomputed.
+            rest = self._l3_prefix(inst.node, keys, cached)
+            if job.declined:
+                rec.declined_pages = min(job.declined, rest)
+            else:
+                rec.unprefetched_pages = rest
+        self.useful_ssd_bytes += rec.hit["ssd"] * self.c.page_span
+        self._finish_prefill(job, cached, dram)
+
+    def store(self, job: Job, cached: int) -> None:
+        # New pages enter the host tier; what falls off its LRU end goes to the SSD log (L3) or is lost (L2).
+        self._l2_insert(job.inst, list(job.req.keys[cached:]))
+
+    def _l2_insert(self, inst: Instance, keys: list[int]) -> None:
+        if not keys:
+            return
+        l2 = inst.l2
+        for key in reversed(keys):
+            l2[key] = None
+            l2.move_to_end(key)
+        excess = len(l2) - self.l2_pages
+        if excess <= 0:
+            return
+        evicted = [l2.popitem(last=False)[0] for _ in range(excess)]
+        if self.l3_enabled:
+            self._l3_append(inst.node, [k for k in evicted if k not in self.l3[inst.node]])
+
+    def _l3_append(self, node: int, keys: list[int]) -> None:
+        if not keys:
+            return
+        l3, buckets = self.l3[node], self.bucket_keys[node]
+        writes = 0
+        for key in keys:
+            b = self.cursor[node] // self.bucket_pages
+            if self.cursor[node] % self.bucket_pages == 0 and buckets[b]:
+                # The log wrapped: the oldest bucket is freed whole, whoever's pages it holds.
+                self.reclaimed_buckets += 1
+                for old in buckets[b]:
+                    if l3.get(old) == b:
+                        del l3[old]
+                        self.invalidated_pages += 1
+                buckets[b] = []
+            buckets[b].append(key)
+            l3[key] = b
+            writes += 1
+            self.cursor[node] = (self.cursor[node] + 1) % (self.bucket_pages * self.buckets)
+        span = self.c.page_span
+        self.ssd[node].submit(self.loop.now, writes * span, max(1, writes * span // self.c.bucket_bytes), write=True)
+
+    def occupancy(self) -> tuple[int, int]:
+        w, span = self.c.width, self.c.page_span
+        dram = sum(len(i.l2) for node in self.instances for i in node) * span * w
+        ssd = sum(len(m) for m in self.l3) * span * w
+        return dram, ssd
+
+    def counters(self) -> dict[str, Any]:
+        return {"reclaimed_buckets": self.reclaimed_buckets, "invalidated_pages": self.invalidated_pages}
+
+
+def make(name: str, c: Cluster, loop: EventLoop) -> System:
+    if name == "flatcake":
+        return FlatCake(c, loop)
+    if name in ("tiered-l2", "tiered-l3"):
+        return Tiered(c, loop, l3=name == "tiered-l3")
+    raise ValueError(f"--systems: {name!r} is not a system; choose from {','.join(SYSTEMS)}")

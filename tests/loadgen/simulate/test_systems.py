@@ -1,0 +1,108 @@
+"""The simulated systems run the agent's own policy and keep its accounting."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flatcake.loadgen.models import preset
+from flatcake.loadgen.simulate.run import GiB, MiB, SimConfig, simulate
+from flatcake.loadgen.simulate.systems import FlatCake, Tiered
+from flatcake.loadgen.traces.formats import TraceRequest, write_trace
+from flatcake.node_agent import Medium, PlacementConfig, ScopeTable, decide
+
+pytestmark = pytest.mark.unit
+
+
+def sessions_trace(path: Path, sessions: int = 6, turns: int = 4, blocks_per_turn: int = 32) -> str:
+    """Interleaved sessions whose turns each append ``blocks_per_turn`` 512-token blocks."""
+    reqs, next_id, t = [], 1, 0.0
+    history: dict[int, list[int]] = {s: [] for s in range(sessions)}
+    for turn in range(1, turns + 1):
+        for s in range(sessions):
+            history[s] += list(range(next_id, next_id + blocks_per_turn))
+            next_id += blocks_per_turn
+            ids = history[s]
+            reqs.append(TraceRequest(t, len(ids) * 512, 64, tuple(ids), f"s{s}", turn, 512))
+            t += 1000.0
+    write_trace(path, reqs)
+    return str(path)
+
+
+def small(trace: str, **kw: Any) -> SimConfig:
+    base = SimConfig(trace=trace, gpus_per_node=8, hbm_bytes=256 * MiB, dram_bytes=64 * GiB, ssd_bytes=512 * GiB,
+                     qps=(1.0,), workers=1)  # fmt: skip
+    return dataclasses.replace(base, **kw)
+
+
+def test_flatcake_places_by_the_real_decide(tmp_path: Path) -> None:
+    cfg = small(sessions_trace(tmp_path / "t.jsonl"))
+    _, sim = simulate(cfg, "flatcake", 1.0)
+    assert isinstance(sim, FlatCake) and sim.decisions
+    fresh = [(h, m) for h, m, reason in sim.decisions if reason not in ("inherited", "dram_full")]
+    assert fresh
+    for hints, medium in fresh:
+        assert decide(hints, PlacementConfig()).medium is medium
+
+
+def test_tiered_l2_hits_less_with_tiny_dram(tmp_path: Path) -> None:
+    trace = sessions_trace(tmp_path / "t.jsonl")
+    tiny, _ = simulate(small(trace, dram_bytes=64 * MiB), "tiered-l2", 1.0)
+    big, _ = simulate(small(trace, dram_bytes=256 * GiB), "tiered-l2", 1.0)
+    assert tiny["delivered_hit_rate"] < big["delivered_hit_rate"]
+
+
+def test_flatcake_needs_fewer_read_commands_per_page_than_tiered_l3(tmp_path: Path) -> None:
+    trace = sessions_trace(tmp_path / "t.jsonl")
+    cfg = small(trace, dram_bytes=8 * GiB)  # the tiered host tier spills to its SSD log
+    fc, _ = simulate(cfg, "flatcake", 1.0)
+    l3, _ = simulate(cfg, "tiered-l3", 1.0)
+    assert fc["ssd_read_commands"] and l3["ssd_read_commands"]
+    assert fc["read_commands_per_page"] < l3["read_commands_per_page"] == 1.0
+
+
+def test_same_seed_same_json(tmp_path: Path) -> None:
+    cfg = small(sessions_trace(tmp_path / "t.jsonl"), dram_bytes=8 * GiB)
+    for system in ("flatcake", "tiered-l3"):
+        a, _ = simulate(cfg, system, 0.5)
+        b, _ = simulate(cfg, system, 0.5)
+        a.pop("sim_wall_s"), b.pop("sim_wall_s")
+        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_one_cold_request_costs_exactly_its_prefill(tmp_path: Path) -> None:
+    trace = tmp_path / "one.jsonl"
+    write_trace(trace, [TraceRequest(0.0, 4096, 10, tuple(range(1, 9)), "s", 1, 512)])
+    cfg = small(str(trace), gpu="h200")
+    p = preset(cfg.model)
+    for system in ("flatcake", "tiered-l2", "tiered-l3"):
+        r, _ = simulate(cfg, system, None)
+        assert r["delivered_hit_rate"] == 0.0 and r["ideal_hit_rate"] == 0.0
+        assert r["ttft_mean_s"] == pytest.approx(p.prefill_s(4096, 0, "h200"))
+        assert r["throughput_tokens_per_s"] == pytest.approx(
+            (4096 + 10) / (p.prefill_s(4096, 0, "h200") + 10 * p.decode_s_per_token("h200"))
+        )
+
+
+def test_bytes_placed_are_reclaimed_or_resident(tmp_path: Path) -> None:
+    # SSD of 3 scope files per rank: sessions must be reclaimed whole to make room.
+    cfg = small(sessions_trace(tmp_path / "t.jsonl", sessions=8, turns=3), dram_bytes=8 * MiB * 43,
+                ssd_bytes=8 * 3 * 256 * MiB)  # fmt: skip
+    r, sim = simulate(cfg, "flatcake", 1.0)
+    assert isinstance(sim, FlatCake)
+    table: ScopeTable = sim.tables[0]
+    assert table.reclaimed[Medium.SSD].scopes > 0
+    for m in Medium:
+        resident = table.used(m) * table.unit_bytes(m)
+        assert sim.placed_bytes[m] == table.reclaimed[m].bytes + resident, m
+    assert r["delivered_hit_rate"] <= r["ideal_hit_rate"] + 1e-12
+
+
+def test_tiered_l3_reclaims_its_log_by_bucket(tmp_path: Path) -> None:
+    cfg = small(sessions_trace(tmp_path / "t.jsonl", sessions=8), dram_bytes=1 * GiB, ssd_bytes=8 * 512 * MiB)
+    _, sim = simulate(cfg, "tiered-l3", 1.0)
+    assert isinstance(sim, Tiered) and sim.reclaimed_buckets > 0
