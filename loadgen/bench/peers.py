@@ -191,7 +191,15 @@ def run_system(
         crcs: dict[str, int] = {}
         put_seconds = 0.0
         put_bytes = 0
-        for i, t in w.order:
+        arrive = getattr(system, "arrive", None)  # a system that sees requests before their writes
+        for n, (i, t) in enumerate(w.order):
+            if arrive is not None and (n == 0 or w.order[n - 1][1] != t):
+                # A round's requests arrive together: each is looked up before any of them is written,
+                # as SGLang's hit query runs at arrival and its write-back after prefill.
+                for j, u in w.order:
+                    if u == t:
+                        before = [k for turn in w.sessions[j].turns[:u] for k in turn]
+                        arrive(w.sessions[j].turns[u], before[-1] if before else None)
             session = w.sessions[i]
             keys = session.turns[t]
             kv = aligned_empty((m.layers, len(keys), span))

@@ -202,17 +202,36 @@ class FlatCakeSGLangSystem(_SGLangSystem):
             raise
         self._prefix: dict[str, list[str]] = {}  # the keys before each stored page: SGLang's prefix_keys
         self._base: dict[str, int] = {}
+        self._last = ""
 
     def set_pages(self, keys: list[str], slots: range, hints: Hints) -> bool:
+        """What SGLang passes and nothing more: ``prefix_keys`` (the chain before the batch; the next
+        batch of one write extends it, as ``cache_controller._page_backup`` does) and no request
+        metadata."""
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
-        parent = str(hints.parent_key) if hints.parent_key is not None else None
-        prefix = [*self._prefix.get(parent, []), parent] if parent is not None else []
-        info = HiCacheStorageExtraInfo(prefix_keys=prefix, extra_info={"turn": hints.turn})
+        if slots.start == 0:
+            parent = str(hints.parent_key) if hints.parent_key is not None else None
+            prefix = [*self._prefix.get(parent, []), parent] if parent is not None else []
+        else:
+            prefix = [*self._prefix[self._last], self._last]
+        info = HiCacheStorageExtraInfo(prefix_keys=prefix)
         ok = all(self.backend.batch_set_v1(keys, self._indices(slots), info))
         for i, key in enumerate(keys):
             self._prefix[key] = prefix + keys[:i]
+        self._last = keys[-1]
         return ok
+
+    def arrive(self, keys: Sequence[Key], parent: Key | None) -> None:
+        """A request arrives: SGLang's hit query (``cache_controller._storage_hit_query``) asks for the pages
+        past its device-matched prefix, passing that prefix; this is where shared prompts show up."""
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+        prefix = [*self._prefix.get(str(parent), []), str(parent)] if parent is not None else []
+        chain = [str(k) for k in keys]
+        for lo in range(0, len(chain), BATCH):
+            self.backend.batch_exists(chain[lo : lo + BATCH], HiCacheStorageExtraInfo(prefix_keys=prefix))
+            prefix = prefix + chain[lo : lo + BATCH]
 
     def get_pages(self, keys: list[str], slots: range) -> int:
         ok = self.backend.batch_get_v1(keys, self._indices(slots))

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -27,7 +28,7 @@ from flatcake.node_agent.datapath import gpu
 from flatcake.node_agent.datapath.buffers import aligned_empty, is_aligned
 from flatcake.node_agent.datapath.dram_pool import DramPool
 from flatcake.node_agent.datapath.file_pool import PoolManifest, create_pool
-from flatcake.node_agent.datapath.io_backends import IOBackend, select_backend
+from flatcake.node_agent.datapath.io_backends import IOBackend, PosixDirectIO, select_backend
 from flatcake.node_agent.datapath.restore import Restore, Verifier, WindowPool, cupy_scatter, numpy_scatter
 from flatcake.node_agent.datapath.stats import Stats
 from flatcake.node_agent.policy import gva as G
@@ -91,6 +92,10 @@ class Engine:
             io, why = select_backend(paths, c.io.workers, c.io.backend)
             log.info("I/O backend %s: %s", io.name, why)
         self.io = io
+        self._paths = paths
+        # Host destinations (numpy) and host writes always go through O_DIRECT preadv/pwritev; with kvikio
+        # that is a second backend over the same files, made on first use (``host_io``).
+        self._posix: IOBackend | None = None
         self.dram = DramPool(
             c.layers * c.page_bytes,
             c.dram_slots,
@@ -111,10 +116,11 @@ class Engine:
         )
         self.catalog: Catalog = catalog if catalog is not None else LocalCatalog(local_table(c), c.placement)
         self.gap_bytes = c.io.gap_bytes  # Δgap; tunable while running
-        # With kvikio, reads land in device memory: the window lives on the GPU and dest is a cupy array.
-        self.on_gpu = self.io.name == "kvikio"
-        alloc = gpu.device_empty if self.on_gpu else aligned_empty
-        self.windows = WindowPool(c.io.streams, c.io.staging_layers, c.io.staging_slot_bytes, self.stats, alloc)
+        # Whether a restore runs on the GPU is decided per call from its destination (``_on_gpu``), never
+        # from the backend's name: a numpy destination on a kvikio node takes the host path. The GPU
+        # path needs kvikio (reads land in device staging windows, a kernel scatters them).
+        self.windows = WindowPool(c.io.streams, c.io.staging_layers, c.io.staging_slot_bytes, self.stats)
+        self._device_windows: WindowPool | None = None
 
     @property
     def table(self) -> ScopeTable:
@@ -178,7 +184,7 @@ class Engine:
         futures: list[Future[int]] = []
         for i, seg in enumerate(alloc.segments):
             bufs = [pages[layer, seg.first_page : seg.first_page + seg.pages] for layer in range(pages.shape[0])]
-            futures.append(self.io.submit_write(i, seg.file, seg.offset, bufs))
+            futures.append(self.host_io.submit_write(i, seg.file, seg.offset, bufs))
         errors = [f.exception() for f in futures]
         for err in errors:
             if err is not None:
@@ -192,15 +198,51 @@ class Engine:
         """Length of the stored prefix of ``keys``."""
         return self.catalog.exists(keys)
 
-    def get(self, keys: Sequence[Key], dest: npt.NDArray[np.uint8], dest_pages: Sequence[int] | None = None) -> Restore:
+    @property
+    def gpu_io(self) -> bool:
+        """Whether this engine can fill device memory (reads through kvikio)."""
+        return self.io.name == "kvikio"
+
+    @property
+    def host_io(self) -> IOBackend:
+        if not self.gpu_io:
+            return self.io
+        if self._posix is None:
+            self._posix = PosixDirectIO(self._paths, self.config.io.workers)
+        return self._posix
+
+    def _on_gpu(self, dest: Any) -> bool:
+        """The path for one restore, from its destination: a numpy array is host memory; a cupy array or
+        any object with ``__cuda_array_interface__`` (a CUDA torch tensor) is device memory, which only
+        the kvikio path can fill. Anything else, or device memory without kvikio, is refused by name."""
+        if isinstance(dest, np.ndarray):
+            return False
+        if gpu.is_device_array(dest) or hasattr(dest, "__cuda_array_interface__"):
+            if not self.gpu_io:
+                raise TypeError(
+                    f"dest: a device array ({type(dest).__name__}), but this engine's I/O backend {self.io.name} "
+                    "reads into host memory only; restore into a numpy array, or set io.backend to kvikio on a "
+                    "node where kvikio and a GPU are usable"
+                )
+            return True
+        raise TypeError(
+            f"dest: expected a numpy array (host) or a CUDA array (cupy, __cuda_array_interface__) shaped "
+            f"[layers][slots][page_bytes], got {type(dest).__name__}; for a CPU torch tensor pass tensor.numpy()"
+        )
+
+    def get(self, keys: Sequence[Key], dest: Any, dest_pages: Sequence[int] | None = None) -> Restore:
         """Restore ``keys`` into ``dest[layer, dest_pages[i]]``; iterate the result for layers in order.
 
-        ``dest`` is ``[layers][slots][page_bytes]`` uint8; ``dest_pages`` (default ``0..n-1``) names the
-        destination page of each key. Unknown keys are refused before any I/O (ask ``exists`` first);
-        pages that fail to read are reported in ``Restore.missing``.
+        ``dest`` is ``[layers][slots][page_bytes]`` uint8, in host memory (numpy) or, with kvikio, device
+        memory (see ``_on_gpu``); ``dest_pages`` (default ``0..n-1``) names the destination page of each
+        key. Unknown keys are refused before any I/O (ask ``exists`` first); pages that fail to read are
+        reported in ``Restore.missing``.
         """
         c = self.config
         self._check_keys(keys, "keys")
+        on_gpu = self._on_gpu(dest)
+        if on_gpu and not gpu.is_device_array(dest):
+            dest = gpu.as_device_array(dest)  # a zero-copy cupy view of the caller's device memory
         pages = self._check_dest(dest, len(keys), dest_pages)
         lease = self.catalog.acquire(keys)
         locs = lease.locations
@@ -220,12 +262,12 @@ class Engine:
         def copy_dram(layer: int) -> None:
             if len(dram_src):  # host to host, or one H2D copy from the pinned pool on the GPU path
                 dest[layer, dram_dst] = (
-                    gpu.to_device(self._dram3[dram_src, layer]) if self.on_gpu else (self._dram3[dram_src, layer])
+                    gpu.to_device(self._dram3[dram_src, layer]) if on_gpu else (self._dram3[dram_src, layer])
                 )
 
         verify = None
         mode = c.io.verify_reads
-        if mode != "off" and lease.checksums and not self.on_gpu:
+        if mode != "off" and lease.checksums and not on_gpu:
             # GPU destinations are not verified here: checking them would copy every page back to the host.
             want = np.asarray(lease.checksums, dtype=np.int64)
             check = np.flatnonzero((on_ssd if mode == "ssd" else np.ones(len(locs), bool)) & (want >= 0))
@@ -239,14 +281,22 @@ class Engine:
             fills=fills,
             dest_pages=ssd_dest,
             request_index=ssd,
-            io=self.io,
-            windows=self.windows,
-            scatter=(cupy_scatter if self.on_gpu else numpy_scatter)(dest, c.page_bytes),
+            io=self.io if on_gpu else self.host_io,
+            windows=self._gpu_windows() if on_gpu else self.windows,
+            scatter=(cupy_scatter if on_gpu else numpy_scatter)(dest, c.page_bytes),
             copy_dram=copy_dram,
             stats=self.stats,
             on_close=lambda: self.catalog.release(lease.id),
             verify=verify,
         )
+
+    def _gpu_windows(self) -> WindowPool:
+        """Device staging windows, made on the first GPU restore (kvikio reads land in device memory)."""
+        if self._device_windows is None:
+            c = self.config.io
+            self._device_windows = WindowPool(c.streams, c.staging_layers, c.staging_slot_bytes, self.stats,
+                                              gpu.device_empty)  # fmt: skip
+        return self._device_windows
 
     # ---- checks ----------------------------------------------------------------------------------
     def _check_keys(self, keys: Sequence[Key], field: str) -> None:
@@ -275,11 +325,8 @@ class Engine:
                 "allocate it with flatcake.node_agent.datapath.buffers.aligned_empty"
             )
 
-    def _check_dest(self, dest: npt.NDArray[np.uint8], n: int, dest_pages: Sequence[int] | None) -> list[int]:
+    def _check_dest(self, dest: Any, n: int, dest_pages: Sequence[int] | None) -> list[int]:
         c = self.config
-        kind = "cupy" if self.on_gpu else "numpy"
-        if (gpu.is_device_array(dest) if self.on_gpu else isinstance(dest, np.ndarray)) is False:
-            raise TypeError(f"dest: expected a {kind} array [layers][slots][page_bytes], got {type(dest).__name__}")
         if dest.dtype != np.uint8:
             raise TypeError(f"dest.dtype: {dest.dtype} is not uint8; pass dest.view(np.uint8)")
         if dest.ndim != 3 or dest.shape[0] != c.layers or dest.shape[2] != c.page_bytes:
@@ -300,6 +347,8 @@ class Engine:
 
     def close(self) -> None:
         self.io.close()
+        if self._posix is not None:
+            self._posix.close()
         del self._dram3
         self.dram.close(unlink=self._owns_dram)
         self.catalog.close()

@@ -59,6 +59,13 @@ def is_device_array(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "cupy"
 
 
+def as_device_array(x: Any) -> Any:
+    """A cupy view (no copy) of any object exposing ``__cuda_array_interface__``."""
+    import cupy
+
+    return cupy.asarray(x)
+
+
 def to_device(host: Any) -> Any:
     import cupy
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+from flatcake.errors import ConfigError
 from flatcake.node_agent.datapath.file_pool import open_direct
 
 log = logging.getLogger(__name__)
@@ -162,5 +163,5 @@ def select_backend(paths: Sequence[str], workers: int, prefer: str = "auto") -> 
     if usable:
         return KvikioIO(paths, workers), "GPU and kvikio usable"
     if prefer == "kvikio":
-        raise RuntimeError(f"io.backend: kvikio requested but not usable: {why}; use 'auto' or 'posix'")
+        raise ConfigError(f"io.backend: kvikio requested but not usable: {why}; use 'auto' or 'posix'")
     return PosixDirectIO(paths, workers), f"posix O_DIRECT ({why})"

@@ -18,11 +18,26 @@ stores its own bytes under ``hash@tp{rank}of{size}``; MLA's latent cache is the 
 so ranks share one key and only the storage writer (rank 0) writes. ``extra_info.prefix_keys``
 names the pages before a batch: its last one is the parent, binding new pages to their session's
 scope.
+
+Placement signals (Table 2) come from the key chain (``signals.py``); what a chain cannot tell (the
+expected reply length and reuse) from the ``placement_hints`` extra-config entry or the
+``FLATCAKE_SGLANG_HINTS`` environment variable, and per request from ``extra_info.extra_info`` where a
+caller fills it (SGLang 0.5.23's cache controller never does).
+
+The v2 interface (``register_mem_host_pool_v2``, ``batch_exists_v2``, ``batch_get_v2``,
+``batch_set_v2``; ``mem_cache/hicache_storage.py`` ``HiCacheStorage``, called by
+``mem_cache/hybrid_cache/hybrid_cache_controller.py``) stores each sidecar pool (indexer, SWA, Mamba,
+DeepSeek-V4 compressed pools, draft pools) under its own key namespace, ``<hash><suffix>#<pool>``, as
+the flat pages SGLang's host pools give (``get_data_page(flat=True)``/``set_from_flat_data_page``),
+cut into chunks of the agent's page geometry (``layers x page_bytes``); the KV pool keeps the v1 path.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +47,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from flatcake.errors import ConfigError, FlatCakeError
@@ -39,6 +58,7 @@ from flatcake.node_agent.datapath.buffers import aligned_empty, round_up
 from flatcake.node_agent.datapath.engine import Engine
 from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.service.client import connect
+from flatcake.node_agent.sglang.signals import ChainSignals, Run
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +80,38 @@ LAYER_AXIS: dict[tuple[bool, str], int] = {
 # else (a wrong shape, a bad argument) is a bug and propagates rather than hiding as a miss.
 STORAGE_FAULTS = (FlatCakeError, ConnectionError, TimeoutError)
 HINT_FIELDS = ("prefix_refcount", "turn", "prev_reply_tokens", "context_tokens", "reply_tokens")
+# What a request may pass: Table 2's fields, and ``expected_reuse`` (how many requests will read the
+# pages: a floor on ``prefix_refcount``, so the shared-prompt rule can fire before SGLang shows it).
+REQUEST_FIELDS = (*HINT_FIELDS, "expected_reuse")
+# What a deployment may set for every request: only what a key chain cannot tell.
+DEPLOYMENT_FIELDS = ("reply_tokens", "expected_reuse")
+HINTS_ENV = "FLATCAKE_SGLANG_HINTS"
+KV = PoolName.KV.value
+
+
+def deployment_hints(extra: dict[str, Any]) -> dict[str, int]:
+    """``placement_hints`` from the storage extra config, overridden field by field by the JSON object in
+    ``$FLATCAKE_SGLANG_HINTS`` (for deployments that cannot change SGLang's launch arguments)."""
+    merged: dict[str, Any] = {}
+    sources: list[tuple[str, Any]] = [("placement_hints", extra.get("placement_hints") or {})]
+    if os.environ.get(HINTS_ENV):
+        try:
+            sources.append((HINTS_ENV, json.loads(os.environ[HINTS_ENV])))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{HINTS_ENV}: not JSON ({exc}); set it to an object like "
+                              '{"reply_tokens": 4096}') from None  # fmt: skip
+    for where, given in sources:
+        if not isinstance(given, dict):
+            raise ConfigError(f'{where}: {given!r} must be an object like {{"reply_tokens": 4096}}')
+        unknown = sorted(set(given) - set(DEPLOYMENT_FIELDS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {unknown}; a deployment sets only {list(DEPLOYMENT_FIELDS)} "
+                              "(the rest is derived from SGLang's prefix keys)")  # fmt: skip
+        for k, v in given.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{where}.{k}: {v!r} must be a non-negative integer")
+        merged.update(given)
+    return merged
 
 
 class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
@@ -75,8 +127,15 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         if c.attn_cp_size > 1:
             suffix += f"@cp{c.attn_cp_rank}of{c.attn_cp_size}"
         self.suffix = suffix
+        # Mamba state is sharded across TP ranks even when the model's MLA cache is replicated
+        # (hicache_storage.py HiCacheFile._get_suffixed_key), so it always carries the rank.
+        self.rank_suffix = suffix if not self.is_mla else f"@tp{c.tp_rank}of{c.tp_size}" + suffix
         self.writer = bool(getattr(c, "is_storage_writer", not self.is_mla or c.tp_rank == 0))
         self.engine: Engine | None = None
+        self.signals = ChainSignals(int(extra.get("signal_capacity", 1 << 16)))
+        self.defaults = deployment_hints(extra)
+        self.pools: dict[str, Any] = {}  # sidecar host pools by name (register_mem_host_pool_v2)
+        self._sidecar_geometry: dict[str, tuple[int, torch.dtype]] = {}  # flat bytes per page, dtype
 
     # ---- wiring ----------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -106,12 +165,28 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
     def _keys(self, keys: list[str]) -> list[str]:
         return [k + self.suffix for k in keys]
 
-    def _hints(self, n: int, extra_info: HiCacheStorageExtraInfo | None) -> Hints:
-        prefix = (extra_info.prefix_keys or []) if extra_info is not None else []
-        fields: dict[str, Any] = {"turn": 2 if prefix else 1, "context_tokens": (len(prefix) + n) * self.page_tokens}
+    @staticmethod
+    def _prefix(extra_info: HiCacheStorageExtraInfo | None) -> list[str]:
+        return list(extra_info.prefix_keys or []) if extra_info is not None else []
+
+    def _observe(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> None:
+        """Every call that names a chain feeds the continuation counts (lookups too: a request waiting
+        on a prompt shows it is shared before the prompt is written)."""
+        self.signals.observe(self._prefix(extra_info), keys)
+
+    def _hints(self, run: Run, extra_info: HiCacheStorageExtraInfo | None, namer: Any) -> Hints:
+        """Table 2's hints for one run: derived fields, then the deployment's, then the request's."""
+        fields: dict[str, Any] = {k: v for k, v in run.fields.items() if k != "parent_key"}
+        parent = run.fields.get("parent_key")
+        fields["parent_key"] = namer(parent) if parent is not None else None
         passed = (extra_info.extra_info or {}) if extra_info is not None else {}
-        fields.update({k: passed[k] for k in HINT_FIELDS if k in passed})
-        fields["parent_key"] = prefix[-1] + self.suffix if prefix else None
+        given = {**self.defaults, **{k: passed[k] for k in REQUEST_FIELDS if k in passed}}
+        reuse = given.pop("expected_reuse", None)
+        fields.update(given)
+        if reuse is not None:
+            if not isinstance(reuse, int) or isinstance(reuse, bool):
+                raise ConfigError(f"extra_info.extra_info.expected_reuse: {reuse!r} must be a non-negative integer")
+            fields["prefix_refcount"] = max(int(fields.get("prefix_refcount", 1)), reuse)
         try:
             return Hints.from_dict(fields)
         except ValueError as exc:  # hints a request passed: its data, not our bug; the put fails, named
@@ -140,28 +215,48 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
     def _put(self, keys: list[str], pages: list[torch.Tensor], extra_info: HiCacheStorageExtraInfo | None) -> bool:
         if not self.writer:
             return True  # MLA: rank 0 stores the shared pages
+        return self._store(keys, self._pack(pages), 1, lambda k: k + self.suffix, extra_info, record=True)
+
+    def _store(self, keys: list[str], kv: npt.NDArray[np.uint8], chunks: int, namer: Any,
+               extra_info: HiCacheStorageExtraInfo | None, *, record: bool) -> bool:  # fmt: skip
+        """Put ``kv`` (``[layers][len(keys) * chunks][page_bytes]``) run by run: a prompt shared by several
+        live requests apart from the request's own pages, each with its own hints."""
+        prefix = self._prefix(extra_info)
+        self.signals.observe(prefix, keys)
+        runs = self.signals.derive(prefix, keys, self.page_tokens)
         try:
-            self._engine().put(self._keys(keys), self._pack(pages), self._hints(len(keys), extra_info))
-            return True
+            for run in runs:
+                names = [namer(k) if chunks == 1 else f"{namer(k)}/{c}" for k in keys[run.start : run.stop]
+                         for c in range(chunks)]  # fmt: skip
+                last = namer if chunks == 1 else (lambda k: f"{namer(k)}/{chunks - 1}")
+                part = kv[:, run.start * chunks : run.stop * chunks]
+                if len(runs) > 1:  # a slice of a layer-major buffer is strided: the engine takes aligned C order
+                    part, view = aligned_empty(part.shape), part
+                    part[...] = view
+                self._engine().put(names, part, self._hints(run, extra_info, last))
         except STORAGE_FAULTS as exc:
             log.warning("FlatCake storage: put of %d pages failed: %s", len(keys), exc)
             return False
+        if record:
+            self.signals.record(keys, runs)
+        return True
 
-    def _get(self, keys: list[str]) -> tuple[npt.NDArray[np.uint8], list[bool]]:
-        """Restore the stored prefix of ``keys``; ok[i] says whether page i's bytes arrived."""
+    def _get(self, keys: list[str], names: list[str] | None = None) -> tuple[npt.NDArray[np.uint8], list[bool]]:
+        """Restore the stored prefix of ``names`` (default: the KV names of ``keys``); ok[i] says whether
+        entry i's bytes arrived."""
         engine = self._engine()
-        names = self._keys(keys)
-        dest = np.empty((self.layers, max(len(keys), 1), self.page_bytes), np.uint8)
+        names = self._keys(keys) if names is None else names
+        dest = np.empty((self.layers, max(len(names), 1), self.page_bytes), np.uint8)
         try:
             hit = engine.exists(names)
             if hit == 0:
-                return dest, [False] * len(keys)
+                return dest, [False] * len(names)
             with engine.get(names[:hit], dest) as restore:
                 missing = restore.run()
         except STORAGE_FAULTS as exc:
-            log.warning("FlatCake storage: get of %d pages failed: %s", len(keys), exc)
-            return dest, [False] * len(keys)
-        return dest, [i < hit and i not in missing for i in range(len(keys))]
+            log.warning("FlatCake storage: get of %d pages failed: %s", len(names), exc)
+            return dest, [False] * len(names)
+        return dest, [i < hit and i not in missing for i in range(len(names))]
 
     # ---- zero-copy v1 interface (extra_config interface_v1) ----------------------------------------
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -174,6 +269,7 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:  # fmt: skip
         pool = self.mem_pool_host
+        self._observe(keys, extra_info)
         dest, ok = self._get(keys)
         for j, start in enumerate(host_indices[:: self.page_tokens].tolist()):
             if ok[j]:
@@ -194,11 +290,153 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         target.copy_(source.movedim(0, self.axis))  # same shape: page_shape is this view's shape
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        self._observe(keys, extra_info)
         try:
             return self._engine().exists(self._keys(keys))
         except STORAGE_FAULTS as exc:
             log.warning("FlatCake storage: exists failed: %s", exc)
             return 0
+
+    # ---- v2 interface: the KV pool and its sidecar pools (hybrid and sparse models) ----------------
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang registers every host pool of its ``HostPoolGroup`` here after ``register_mem_pool_host``
+        (``HybridCacheController.attach_storage_backend``, ``register_host_pool_entry`` for sidecars
+        added later). A sidecar page is stored as its flat bytes cut into ``chunks`` engine pages."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == KV:
+            return  # the anchor pool: register_mem_pool_host already took its geometry
+        sample = host_pool.get_dummy_flat_data_page()
+        flat_bytes = int(sample.numel() * sample.element_size())
+        self.pools[name] = host_pool
+        self._sidecar_geometry[name] = (flat_bytes, sample.dtype)
+        log.info("FlatCake storage: pool %s, %d bytes per page in %d chunk(s)", name, flat_bytes,
+                 self._chunks(name))  # fmt: skip
+
+    def _chunks(self, name: str) -> int:
+        span = self.layers * self.page_bytes
+        return max(1, -(-self._sidecar_geometry[name][0] // span))
+
+    def _namer(self, name: str) -> Any:
+        # Mamba state is per rank under MLA too; other sidecars follow the KV pool's sharing.
+        suffix = self.rank_suffix if name == PoolName.MAMBA.value else self.suffix
+        return lambda k: f"{k}{suffix}#{name}"
+
+    def _sidecar_names(self, name: str, keys: Sequence[str]) -> list[str]:
+        namer, chunks = self._namer(name), self._chunks(name)
+        return [namer(k) if chunks == 1 else f"{namer(k)}/{c}" for k in keys for c in range(chunks)]
+
+    def _pool(self, name: str) -> Any:
+        if name not in self.pools:
+            raise ValueError(f"pool {name!r}: not registered; SGLang registers pools with register_mem_host_pool_v2 "
+                             f"(registered: {sorted(self.pools)})")  # fmt: skip
+        return self.pools[name]
+
+    def _indices_ok(self, op: str, transfer: PoolTransfer, page_size: int) -> bool:
+        n = len(transfer.keys or [])
+        got = 0 if transfer.host_indices is None else int(transfer.host_indices.numel())
+        if got != n * page_size:  # SGLang answers this as a failed transfer, not an exception (HiCacheFile)
+            log.error("FlatCake storage: %s %s: %d host indices for %d keys of %d tokens", op, transfer.name, got, n,
+                      page_size)  # fmt: skip
+            return False
+        return True
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:  # fmt: skip
+        """The stored KV prefix, cut by each sidecar pool's hit policy (``PoolHitPolicy``): ALL_PAGES needs
+        every page of the prefix, TRAILING_PAGES the last ``len(keys)`` pages before a prefix length
+        (so restorable lengths can be sparse: ``restorable_prefix_pages``). BLOCK_GROUPS pools get no
+        verdict (SGLang then heals them from the folded cut)."""
+        kv_hit = self.batch_exists(keys, extra_info)
+        hits: dict[str, int] = {KV: kv_hit} if kv_hit else {}
+        restorable = set(range(1, kv_hit + 1))
+        engine = self._engine()
+        try:
+            for t in pool_transfers or []:
+                name = str(t.name)
+                if name == KV or t.hit_policy == PoolHitPolicy.BLOCK_GROUPS or not restorable:
+                    continue
+                chunks = self._chunks(name)
+                if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                    boundary = engine.exists(self._sidecar_names(name, keys[:kv_hit])) // chunks
+                    ok = set(range(1, boundary + 1))
+                else:  # TRAILING_PAGES: which pages hold a state, then which lengths end a full window
+                    window = max(1, len(t.keys or []))
+                    have = [engine.exists(self._sidecar_names(name, [k])) == chunks for k in keys[:kv_hit]]
+                    ok = {n for n in range(1, kv_hit + 1) if all(have[max(0, n - window) : n])}
+                    boundary = max(ok, default=0)
+                if boundary:
+                    hits[name] = boundary
+                restorable &= ok
+        except STORAGE_FAULTS as exc:
+            log.warning("FlatCake storage: exists_v2 failed: %s", exc)
+            return PoolTransferResult.empty()
+        pages = sorted(restorable)
+        return PoolTransferResult(pages[-1] if pages else 0, hits, pages)
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:  # fmt: skip
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            name, keys = str(t.name), list(t.keys or [])
+            if name == KV:
+                out[name] = self.batch_get_v1(keys, t.host_indices, extra_info) if keys else []
+                continue
+            pool = self._pool(name)
+            page_size = int(getattr(pool, "page_size", 1) or 1)
+            if not self._indices_ok("get", t, page_size):
+                out[name] = [False] * len(keys)
+                continue
+            chunks = self._chunks(name)
+            flat_bytes, dtype = self._sidecar_geometry[name]
+            dest, ok = self._get(keys, self._sidecar_names(name, keys))
+            # [layers][entries][page_bytes] -> [entries][layers * page_bytes]: a chunk's bytes in order
+            by_chunk = dest.transpose(1, 0, 2).reshape(dest.shape[1], -1)
+            result = []
+            for i in range(len(keys)):
+                if not all(ok[i * chunks : (i + 1) * chunks]):
+                    result.append(False)
+                    continue
+                raw = np.ascontiguousarray(by_chunk[i * chunks : (i + 1) * chunks]).reshape(-1)[:flat_bytes]
+                page = torch.from_numpy(raw.copy()).view(dtype)
+                pool.set_from_flat_data_page(int(t.host_indices[i * page_size]), page)
+                result.append(True)
+            # SGLang counts a pool's hits as the leading run of successes (count_pool_hits)
+            out[name] = result
+        return out
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:  # fmt: skip
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            name, keys = str(t.name), list(t.keys or [])
+            if name == KV:
+                out[name] = self.batch_set_v1(keys, t.host_indices, extra_info) if keys else []
+                continue
+            pool = self._pool(name)
+            page_size = int(getattr(pool, "page_size", 1) or 1)
+            if not self._indices_ok("set", t, page_size):
+                out[name] = [False] * len(keys)
+                continue
+            if not keys or (not self.writer and name != PoolName.MAMBA.value):
+                out[name] = [True] * len(keys)  # MLA: rank 0 stores replicated sidecars; Mamba is per rank
+                continue
+            chunks = self._chunks(name)
+            flat_bytes = self._sidecar_geometry[name][0]
+            span = self.layers * self.page_bytes
+            by_chunk = np.zeros((len(keys) * chunks, span), np.uint8)
+            for i in range(len(keys)):
+                page = pool.get_data_page(int(t.host_indices[i * page_size]), flat=True)
+                raw = page.contiguous().view(torch.uint8).numpy()
+                if raw.size != flat_bytes:
+                    raise ValueError(f"pool {name}: a page of {raw.size} bytes, registered with {flat_bytes}")
+                by_chunk[i * chunks : (i + 1) * chunks].reshape(-1)[:flat_bytes] = raw
+            kv = aligned_empty((self.layers, len(keys) * chunks, self.page_bytes))
+            kv[...] = by_chunk.reshape(len(keys) * chunks, self.layers, self.page_bytes).transpose(1, 0, 2)
+            # The sidecar follows its KV chain's signals; its own namespace keeps its own scope chain.
+            ok = self._store(keys, kv, chunks, self._namer(name), extra_info, record=False)
+            out[name] = [ok] * len(keys)
+        return out
 
     # ---- tensor interface (v0) -------------------------------------------------------------------
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:

@@ -129,6 +129,9 @@ def test_sglang_example_matches_sglangs_parser_and_the_agents_paths(name: str) -
     extra = json.loads(args.hicache_storage_backend_extra_config)
     module = __import__(extra["module_path"], fromlist=[extra["class_name"]])
     assert issubclass(getattr(module, extra["class_name"]), HiCacheStorage)
+    # SGLang passes prefix keys (FlatCake's placement signals) only for a JSON true here
+    # (HybridCacheController.parse_storage_backend_extra_config refuses anything but a bool).
+    assert extra["hicache_storage_pass_prefix_keys"] is True
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
     directory = name == "sglang-directory"

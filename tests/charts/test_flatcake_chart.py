@@ -116,3 +116,4 @@ def test_notes_tell_what_to_apply_next() -> None:
     assert out.returncode == 0, out.stderr
     notes = out.stdout.split("NOTES:", 1)[1]
     assert "kind: FlatCakeCache" in notes and "kubectl label node" in notes
+    assert '"hicache_storage_pass_prefix_keys": true' in notes  # SGLang's placement signals on

@@ -9,6 +9,7 @@ pool), so ``HostPool`` below reproduces their page layouts as SGLang 0.5.23 defi
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -53,13 +54,13 @@ class HostPool:
 
 
 def make_backend(agent: AgentThread, pool: HostPool, tp_rank: int = 0, tp_size: int = 1,
-                 module: str = "flatcake.node_agent.sglang") -> HiCacheStorage:  # fmt: skip
+                 module: str = "flatcake.node_agent.sglang", extra: dict[str, Any] | None = None) -> HiCacheStorage:  # fmt: skip
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=pool.mla, enable_storage_metrics=False, is_page_first_layout=pool.layout != "layer_first",
         model_name="test/model",
         extra_config={"backend_name": "flatcake", "module_path": module,
-                      "class_name": "FlatCakeStorage", "socket": agent.socket, "interface_v1": True},
+                      "class_name": "FlatCakeStorage", "socket": agent.socket, "interface_v1": True, **(extra or {})},
     )  # fmt: skip
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
     assert isinstance(backend, HiCacheStorage) and isinstance(backend, FlatCakeStorage)
