@@ -1,5 +1,5 @@
-"""FlatCake as a benchmark system: an in-process ``Engine`` over its own pools, one SSD pool file per
-session scope, sized so that nothing is reclaimed during a benchmark."""
+"""FlatCake as a benchmark system: an in-process ``Engine`` over its own pools, the SSD pool sized as
+one file per session so that nothing is reclaimed during a benchmark."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from flatcake.node_agent import DramConfig, Engine, EngineConfig, Hints, IOConfi
 
 def engine_config(spec: SystemSpec, pool_dir: Path, dram: DramConfig, streams: int = 1) -> EngineConfig:
     """The engine configuration every FlatCake system of the benchmarks runs with. DRAM is the spec's
-    share of all pages (what lands there is placement's decision); one pool file per session scope,
-    large enough for its whole history, and room under the high watermark (0.9) for every session, so
-    nothing is reclaimed during a benchmark."""
+    share of all pages (what lands there is placement's decision); the SSD pool as one file per
+    session, each large enough for its whole history, plus room under the high watermark (0.9), so
+    nothing is reclaimed during a benchmark (scopes share files now: this is room to spare)."""
     return EngineConfig(
         layers=spec.layers,
         page_bytes=spec.page_bytes,

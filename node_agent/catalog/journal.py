@@ -35,6 +35,8 @@ import msgpack
 from flatcake.errors import StorageWriteError
 from flatcake.node_agent.catalog.files import fsync_dir, share_fd
 from flatcake.node_agent.constants import JOURNAL_FSYNC_POLICIES as POLICIES
+from flatcake.node_agent.policy.extents import Extent
+from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Key
 from flatcake.node_agent.policy.scopes import Location, Scope
 
@@ -270,11 +272,27 @@ def _replay_v1(path: Path, data: bytes, report: ReplayReport) -> Iterator[dict[s
 
 
 def publish_record(
-    scope: Scope, keys: Sequence[Key], locs: Sequence[Location], slots: Sequence[int], crc: Sequence[int]
+    scope: Scope,
+    keys: Sequence[Key],
+    locs: Sequence[Location],
+    slots: Sequence[int],
+    crc: Sequence[int],
+    extents: Sequence[Extent] = (),
 ) -> dict[str, Any]:
-    """The journal record of published pages (``recover`` reads it back)."""
-    return {
+    """The journal record of published pages (``recover`` reads it back).
+
+    SSD space is ``ext``: ``[file, offset, length]`` of each extent the pages lie in, from the
+    extent's start through these pages (a later record of a grown extent repeats it, longer). Records
+    of earlier versions carried ``files`` (whole pool files) and ``cursor`` instead; recovery still
+    reads them. ``files``/``cursor`` stay on DRAM records (empty), so an older agent still reads those,
+    while it skips an SSD record as malformed rather than misread its space."""
+    record = {
         "t": "pub", "scope": scope.id, "medium": int(scope.medium), "keys": list(keys),
         "gva": [loc.gva for loc in locs], "stride": [loc.layer_stride for loc in locs],
-        "files": scope.files, "cursor": scope.cursor, "slots": list(slots), "crc": list(crc),
+        "slots": list(slots), "crc": list(crc),
     }  # fmt: skip
+    if scope.medium is Medium.SSD:
+        record["ext"] = [list(e) for e in extents]
+    else:
+        record["files"], record["cursor"] = [], 0
+    return record

@@ -133,7 +133,9 @@ class LocalCatalog:
             raise ValueError(f"checksums: {len(checksums)} given for {len(res.keys)} pages; allocation aborted")
         if self.journal is not None:  # durable before visible
             try:
-                self.journal.append(publish_record(res.scope, res.keys, res.locations, res.slots, checksums))
+                self.journal.append(
+                    publish_record(res.scope, res.keys, res.locations, res.slots, checksums, res.extents)
+                )
             except BaseException:  # not journaled, so never visible: give the keys and the space back
                 self.table.abort(res)
                 raise
@@ -195,5 +197,5 @@ class LocalCatalog:
                     continue
                 locs = [self.table.entries[k] for k in scope.keys]
                 crc = [self._crc.get(k, 0) for k in scope.keys]
-                out.append(publish_record(scope, scope.keys, locs, scope.slots, crc))
+                out.append(publish_record(scope, scope.keys, locs, scope.slots, crc, scope.extents))
         return out

@@ -15,6 +15,7 @@ from flatcake.node_agent.catalog.journal import ReplayReport, replay
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.policy import gva as G
+from flatcake.node_agent.policy.extents import Extent
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Key
 from flatcake.node_agent.policy.scopes import Location, Scope
@@ -48,39 +49,50 @@ def recover(
     whose bytes no longer match are dropped instead of served.
 
     A damaged record is skipped (``replay``), so a ``free`` may be missing: the freed scope would then
-    come back over space that a later scope was given. Each pool file and DRAM slot therefore belongs
-    to the scope that claimed it last in the journal, and a scope that lost any of its space to a
-    later one is dropped whole; likewise a key belongs to the scope that published it last."""
+    come back over space that a later scope was given. Each byte of SSD space and each DRAM slot
+    therefore belongs to the scope that claimed it last in the journal, and a scope that lost any of
+    its space to a later one is dropped whole; likewise a key belongs to the scope that published it
+    last. Surviving scopes get back exactly the extents the journal records, so a restart rebuilds
+    the same allocation."""
     out = out if out is not None else Recovered()
     report = ReplayReport()
+    table = catalog.table
     scopes: dict[int, dict[str, Any]] = {}
-    claims: dict[tuple[int, int], int] = {}  # (medium, file or slot) -> scope that claimed it last
+    claims: list[tuple[int, int, int, int, int]] = []  # SSD: (file, start, end, record number, scope)
+    slot_claims: dict[int, int] = {}  # DRAM slot -> scope that claimed it last
     owner: dict[Key, int] = {}  # key -> scope that published it last
-    for rec in replay(journal_path, report):
+    for seq, rec in enumerate(replay(journal_path, report)):
         out.records += 1
         try:
             if rec["t"] == "free":
                 scopes.pop(rec["scope"], None)
                 continue
             sid = rec["scope"]
-            s = scopes.setdefault(sid, {"medium": rec["medium"], "keys": [], "locs": [], "crc": [], "slots": []})
-            s["files"], s["cursor"] = rec["files"], rec["cursor"]
-            s["slots"].extend(rec["slots"])
-            s["keys"].extend(rec["keys"])
-            s["locs"].extend(Location(sid, g, st) for g, st in zip(rec["gva"], rec["stride"], strict=True))
-            s["crc"].extend(rec["crc"])
+            ranges = _extents(rec, table.ssd.file_bytes)
+            s = scopes.setdefault(sid, {"medium": rec["medium"], "keys": [], "locs": [], "crc": [], "slots": [],
+                                        "ext": {}})  # fmt: skip
+            locs = [Location(sid, g, st) for g, st in zip(rec["gva"], rec["stride"], strict=True)]
+            if len(locs) != len(rec["keys"]) or len(rec["crc"]) != len(rec["keys"]):
+                raise ValueError("keys, gva and crc differ in length")
         except (KeyError, TypeError, ValueError) as exc:  # checksummed but not a record this agent wrote
             report.skipped_records += 1
             log.error("%s: skipping a malformed record (%s)", journal_path, exc)
             continue
-        claims.update(((int(Medium.SSD), f), sid) for f in rec["files"])
-        claims.update(((int(Medium.DRAM), slot), sid) for slot in rec["slots"])
+        for e in ranges:  # an extent grows in place: keep its longest journaled length
+            at = (e.file, e.offset)
+            s["ext"][at] = max(s["ext"].get(at, 0), e.length)
+            claims.append((e.file, e.offset, e.end, seq, sid))
+        s["slots"].extend(rec["slots"])
+        s["keys"].extend(rec["keys"])
+        s["locs"].extend(locs)
+        s["crc"].extend(rec["crc"])
+        slot_claims.update(dict.fromkeys(rec["slots"], sid))
         owner.update(dict.fromkeys(rec["keys"], sid))
+    lost = _lost_space(claims, scopes)
     out.skipped_records, out.torn_bytes = report.skipped_records, report.torn_bytes
     out.total_pages = sum(len(s["keys"]) for s in scopes.values())
     for sid, s in sorted(scopes.items()):
-        units = [(int(Medium.SSD), f) for f in s["files"]] + [(int(Medium.DRAM), x) for x in s["slots"]]
-        if any(claims.get(u) != sid for u in units):
+        if sid in lost or any(slot_claims.get(x) != sid for x in s["slots"]):
             out.superseded_pages += len(s["keys"])
             continue
         keep_keys: list[Key] = []
@@ -100,9 +112,14 @@ def recover(
             checksums[key] = crc
         if not keep_keys:
             continue  # nothing left to serve: its space stays free
-        scope = Scope(sid, Medium(s["medium"]), 0, files=list(s["files"]), cursor=s["cursor"],
-                      slots=list(s["slots"]), keys=keep_keys)  # fmt: skip
-        catalog.adopt(scope, entries, checksums)
+        extents = [Extent(f, o, n) for (f, o), n in s["ext"].items()]
+        scope = Scope(sid, Medium(s["medium"]), 0, extents=extents, slots=list(s["slots"]), keys=keep_keys)
+        try:
+            catalog.adopt(scope, entries, checksums)
+        except ValueError as exc:  # space outside the pool or taken twice: never serve it
+            log.error("%s: dropping scope %d: %s", journal_path, sid, exc)
+            out.superseded_pages += len(keep_keys)
+            continue
         out.scopes += 1
         out.pages += len(keep_keys)
     if out.dropped_pages:
@@ -112,6 +129,35 @@ def recover(
                     "hid their release)", out.superseded_pages)  # fmt: skip
     out.done = True
     return out
+
+
+def _extents(rec: dict[str, Any], file_bytes: int) -> list[Extent]:
+    """The SSD space a publish record claims. Records before byte extents name whole pool files: the
+    scope held each of them, the last up to ``cursor`` (where its next append would have gone)."""
+    if "ext" in rec:
+        return [Extent(int(f), int(o), int(n)) for f, o, n in rec["ext"]]
+    files = [int(f) for f in rec["files"]]
+    cursor = int(rec["cursor"])
+    lengths = [file_bytes] * (len(files) - 1) + [min(cursor, file_bytes)]
+    return [Extent(f, 0, n) for f, n in zip(files, lengths, strict=False) if n > 0]
+
+
+def _lost_space(claims: list[tuple[int, int, int, int, int]], live: dict[int, dict[str, Any]]) -> set[int]:
+    """Live scopes whose space a later record claimed for another scope (freed or not): the record of
+    their release was lost, and the later owner may have overwritten their bytes. A sweep over the
+    claims in address order compares each with the earlier-starting claims that still overlap it."""
+    lost: set[int] = set()
+    active: list[tuple[int, int, int, int, int]] = []
+    for claim in sorted(claims):
+        file, start, _, seq, sid = claim
+        active = [a for a in active if a[0] == file and a[2] > start]
+        for a in active:
+            if a[4] != sid:
+                loser = a[4] if a[3] < seq else sid
+                if loser in live:
+                    lost.add(loser)
+        active.append(claim)
+    return lost
 
 
 def page_crc_reader(c: EngineConfig, dram: Any, pool_files: Sequence[Path]) -> Callable[[Location], int]:

@@ -1,9 +1,13 @@
 """Session scopes, the key index and reclaim: the engine's metadata, with no I/O.
 
-A scope groups the pages of one session on one medium: on SSD it owns whole pool files and appends
-one layer-major segment per write; on DRAM it owns pool slots. Space is reclaimed a whole scope at a
-time, oldest (least recently used) unpinned scope first, so a live session never loses part of its
-prefix.
+A scope groups the pages of one session on one medium: on SSD it owns byte extents of the pool files
+(``extents.ExtentAllocator``; many scopes share a file) and appends one layer-major segment per write;
+on DRAM it owns pool slots. A write grows the scope's last extent in place when the space after it is
+free, else takes a new extent holding the whole write (first-fit), so each write stays one segment
+and a restore reads one command per segment-layer, as when a scope owned whole files. Only when no
+free run holds the write is it split across runs. Space is reclaimed a whole scope at a time, oldest
+(least recently used) unpinned scope first, so a live session never loses part of its prefix; freed
+extents merge with free neighbours.
 
 Concurrency contract: writers (reserve, publish, abort, reclaim, pin) hold ``self.lock``. Readers call
 ``lookup``/``hit_prefix`` without a lock: in CPython a ``dict.get`` is atomic under the GIL, entries
@@ -22,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from flatcake.errors import PoolFullError
+from flatcake.node_agent.constants import ALIGN
 from flatcake.node_agent.policy import gva as G
+from flatcake.node_agent.policy.extents import Extent, ExtentAllocator
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Decision, Key, Reason, overflow
 from flatcake.node_agent.policy.slots import SlotAllocator
@@ -41,15 +47,15 @@ class Scope:
     id: int
     medium: Medium
     last_used: int
-    files: list[int] = field(default_factory=list)
-    cursor: int = 0  # append position in files[-1]
+    extents: list[Extent] = field(default_factory=list)  # SSD, in creation order; appends go to the last
     slots: list[int] = field(default_factory=list)
     keys: list[Key] = field(default_factory=list)
     pins: int = 0
     segments: int = 0
 
     def units(self) -> int:
-        return len(self.files) if self.medium is Medium.SSD else len(self.slots)
+        """Space held: bytes on SSD, slots on DRAM."""
+        return sum(e.length for e in self.extents) if self.medium is Medium.SSD else len(self.slots)
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class Reservation:
     decision: Decision
     new_scope: bool
     segments: list[Segment] = field(default_factory=list)  # SSD
+    extents: list[Extent] = field(default_factory=list)  # SSD: each touched extent, through its last segment
     slots: list[int] = field(default_factory=list)  # DRAM
     locations: list[Location] = field(default_factory=list)
 
@@ -126,14 +133,19 @@ class ScopeTable:
             raise ValueError(f"watermarks: need 0 < low ({low_watermark}) <= high ({high_watermark}) <= 1")
         if file_bytes < layers * page_bytes:
             raise ValueError(f"file_bytes: {file_bytes} cannot hold one page of {layers} layers x {page_bytes} bytes")
+        if page_bytes % ALIGN:
+            raise ValueError(f"page_bytes: {page_bytes} must be a multiple of {ALIGN}")
         self.node_id, self.layers, self.page_bytes = node_id, layers, page_bytes
         self.file_bytes, self.files = file_bytes, files
+        self.page_span = layers * page_bytes  # bytes one page takes across all layers
+        # Every SSD request is whole pages, so each file is used up to its last whole page: then every
+        # free run is a multiple of a page and a put fits whenever enough bytes are free (split if need be).
+        self.ssd = ExtentAllocator(files, file_bytes // self.page_span * self.page_span)
         self.high, self.low = high_watermark, low_watermark
         self.entries: dict[Key, Location] = {}
         self.scopes: dict[int, Scope] = {}
         self.lock = threading.RLock()
         self.dram = SlotAllocator(dram_slots)
-        self._free_files = list(range(files - 1, -1, -1))
         self._pending: set[Key] = set()
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
@@ -153,16 +165,17 @@ class ScopeTable:
         return found.index(False) if False in found else len(found)
 
     # ---- space accounting --------------------------------------------------------------------
+    # Units: bytes on SSD, slots on DRAM.
     def used(self, medium: Medium) -> int:
         if medium is Medium.SSD:
-            return self.files - len(self._free_files)
+            return self.ssd.used_bytes
         return self.dram.slots - self.dram.free
 
     def capacity(self, medium: Medium) -> int:
-        return self.files if medium is Medium.SSD else self.dram.slots
+        return self.ssd.capacity if medium is Medium.SSD else self.dram.slots
 
     def unit_bytes(self, medium: Medium) -> int:
-        return self.file_bytes if medium is Medium.SSD else self.layers * self.page_bytes
+        return 1 if medium is Medium.SSD else self.page_span
 
     # ---- writers -----------------------------------------------------------------------------
     def new_keys(self, keys: Sequence[Key]) -> list[int]:
@@ -213,42 +226,33 @@ class ScopeTable:
         return Reservation(list(keys), scope, decision, new, slots=slots, locations=locs)
 
     def _reserve_ssd(self, keys: list[Key], scope: Scope | None, decision: Decision) -> Reservation:
-        page_span = self.layers * self.page_bytes  # bytes one page takes across all layers
-        per_file = self.file_bytes // page_span
+        span = self.page_span
         n = len(keys)
-        room = (self.file_bytes - scope.cursor) // page_span if scope and scope.files else 0
-        first = min(room, n)
-        files_needed = -(-(n - first) // per_file)
-        owned = len(scope.files) if scope else 0
-        if files_needed > self.files - owned:  # refuse before reclaim touches anything
+        need = n * span
+        owned = scope.units() if scope else 0
+        if need > self.ssd.capacity - owned:  # refuse before reclaim touches anything
             raise PoolFullError(
-                f"keys: a put of {n} pages needs {files_needed} more pool file(s) of {self.file_bytes} bytes, but "
-                f"the SSD pool has {self.files} in all ({owned} already held by this session); split the put "
-                "or enlarge ssd.file_count / ssd.file_bytes"
+                f"keys: a put of {n} pages needs {need} bytes, but the SSD pool holds {self.ssd.capacity} in all "
+                f"({owned} already held by this session); split the put or enlarge ssd.file_count / ssd.file_bytes"
             )
-        if len(self._free_files) < files_needed or self._crosses_high(Medium.SSD, files_needed):
-            self._reclaim(Medium.SSD, files_needed, keep=scope)
-        if len(self._free_files) < files_needed:
+        if self.ssd.free_bytes < need or self._crosses_high(Medium.SSD, need):
+            self._reclaim(Medium.SSD, need, keep=scope)
+        if self.ssd.free_bytes < need:
             raise PoolFullError(
-                f"SSD file pool full: {files_needed} more file(s) of {self.file_bytes} bytes needed, "
-                f"{len(self._free_files)} free of {self.files} and every other scope is pinned; "
-                "enlarge ssd.file_count or release pins"
+                f"SSD file pool full: {need} more bytes needed, {self.ssd.free_bytes} free of {self.ssd.capacity} "
+                "and every other scope is pinned; enlarge ssd.file_count or release pins"
             )
         new = scope is None
         if scope is None:
             scope = self._new_scope(Medium.SSD)
         res = Reservation(list(keys), scope, decision, new)
         page = 0
-        if first:
-            res.segments.append(Segment(scope.files[-1], scope.cursor, 0, first))
-            scope.cursor += first * page_span
-            page = first
         while page < n:
-            f = self._free_files.pop()
-            scope.files.append(f)
-            count = min(per_file, n - page)
-            res.segments.append(Segment(f, 0, page, count))
-            scope.cursor = count * page_span
+            at, ext, count = self._place(scope, n - page)
+            res.segments.append(Segment(ext.file, at, page, count))
+            # What the journal records: the extent from its start through this segment (not further, so
+            # space a concurrent, later-aborted append took is never claimed by this record).
+            res.extents.append(Extent(ext.file, ext.offset, at + count * span - ext.offset))
             page += count
         for seg in res.segments:
             stride = seg.pages * self.page_bytes
@@ -259,6 +263,34 @@ class ScopeTable:
                 )
         scope.segments += len(res.segments)
         return res
+
+    def _place(self, scope: Scope, pages: int) -> tuple[int, Extent, int]:
+        """Space for up to ``pages`` pages of ``scope``: ``(offset, extent, pages placed)``. In order of
+        preference: after the scope's last extent (one extent, one read run per layer for the session),
+        a new extent holding them all (first-fit), then whatever is free right after the last extent or
+        the largest free run (the caller has made sure enough bytes are free)."""
+        span = self.page_span
+        last = scope.extents[-1] if scope.extents else None
+        grown = self.ssd.extend(last, pages * span) if last is not None else None
+        if last is not None and grown is not None:
+            scope.extents[-1] = grown
+            return last.end, grown, pages
+        ext = self.ssd.alloc(pages * span)
+        if ext is not None:
+            scope.extents.append(ext)
+            return ext.offset, ext, pages
+        room = self.ssd.room_after(last) // span if last is not None else 0
+        if last is not None and room:
+            grown = self.ssd.extend(last, room * span)
+            assert grown is not None
+            scope.extents[-1] = grown
+            return last.end, grown, room
+        big = self.ssd.largest()
+        assert big is not None and big.length >= span  # free runs are whole pages, and enough are free
+        ext = Extent(big.file, big.offset, min(pages, big.length // span) * span)
+        self.ssd.take(ext)
+        scope.extents.append(ext)
+        return ext.offset, ext, ext.length // span
 
     def _crosses_high(self, medium: Medium, need: int) -> bool:
         return self.used(medium) + need > self.high * self.capacity(medium)
@@ -281,9 +313,23 @@ class ScopeTable:
                 self.dram.release(res.slots)
                 drop = set(res.slots)
                 res.scope.slots = [s for s in res.scope.slots if s not in drop]
+            for seg in reversed(res.segments):
+                self._give_back(res.scope, seg)
             if res.new_scope and not res.scope.keys and res.scope.pins == 0:
                 self._free_scope(res.scope, count=False)
-            # An append to an existing SSD scope leaves a hole that is freed with the scope.
+
+    def _give_back(self, scope: Scope, seg: Segment) -> None:
+        """Free an aborted segment when it ends its extent. One followed by a concurrent append of the
+        same scope stays, a hole freed with the scope: extents stay contiguous."""
+        start, end = seg.offset, seg.offset + seg.pages * self.page_span
+        for i, ext in enumerate(scope.extents):
+            if ext.file == seg.file and ext.offset <= start and ext.end == end:
+                self.ssd.release(Extent(seg.file, start, end - start))
+                if start == ext.offset:
+                    del scope.extents[i]
+                else:
+                    scope.extents[i] = ext._replace(length=start - ext.offset)
+                return
 
     def pin(self, keys: Sequence[Key], locs: Sequence[Location]) -> list[int]:
         """Pin the scopes of pages a reader resolved; returns the index of the first key whose entry
@@ -323,10 +369,13 @@ class ScopeTable:
     def adopt(self, scope: Scope, entries: dict[Key, Location]) -> None:
         """Re-create a scope found in the journal at start-up (its space must be free)."""
         with self.lock:
-            taken = set(scope.files) - set(self._free_files)
-            if taken:
-                raise ValueError(f"scope {scope.id}: files {sorted(taken)} already belong to another scope")
-            self._free_files = [f for f in self._free_files if f not in set(scope.files)]
+            ordered = sorted(scope.extents)
+            clash = [e for e in ordered if not self.ssd.is_free(e)]
+            clash += [b for a, b in itertools.pairwise(ordered) if a.file == b.file and b.offset < a.end]
+            if clash:
+                raise ValueError(f"scope {scope.id}: extents {[tuple(e) for e in clash[:3]]} overlap allocated space")
+            for ext in scope.extents:
+                self.ssd.take(ext)
             if scope.slots:
                 self.dram.take(scope.slots)
             self.scopes[scope.id] = scope
@@ -349,20 +398,22 @@ class ScopeTable:
             stats.scopes += 1
             stats.bytes += scope.units() * self.unit_bytes(scope.medium)
         if scope.medium is Medium.SSD:
-            self._free_files.extend(reversed(scope.files))
+            for ext in scope.extents:
+                self.ssd.release(ext)
         elif scope.slots:
             self.dram.release(scope.slots)
-        scope.files, scope.slots, scope.keys = [], [], []
+        scope.extents, scope.slots, scope.keys = [], [], []
         del self.scopes[scope.id]
 
     def usage(self) -> dict[str, dict[str, int]]:
-        """Used and total bytes, scopes and reclaim counts per medium."""
+        """Used and total bytes, scopes, published pages and reclaim counts per medium."""
         with self.lock:
             return {
                 m.name.lower(): {
                     "used_bytes": self.used(m) * self.unit_bytes(m),
                     "capacity_bytes": self.capacity(m) * self.unit_bytes(m),
                     "scopes": sum(1 for s in self.scopes.values() if s.medium is m),
+                    "pages": sum(len(s.keys) for s in self.scopes.values() if s.medium is m),
                     "reclaimed_scopes": self.reclaimed[m].scopes,
                     "reclaimed_bytes": self.reclaimed[m].bytes,
                 }

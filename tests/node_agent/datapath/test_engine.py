@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from flatcake.errors import PoolFullError, StorageWriteError, UnknownKeyError
 from flatcake.node_agent.datapath.buffers import aligned_empty
 from flatcake.node_agent.datapath.engine import Engine
+from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Hints
 from tests.support.engines import FaultyIO, pages, small_config
@@ -150,6 +151,31 @@ def test_write_error_publishes_nothing_and_frees_space(make_engine: Make) -> Non
     e.io = e.io.inner  # type: ignore[attr-defined]
     assert e.put(["n1", "n2"], pages(4, 2, 4096)).stored == 2  # keys are free to be written again
     assert restore(e, ["old", "n1"])[1] == set()
+
+
+def test_ten_one_page_sessions_use_one_file_and_read_back_bit_exact(make_engine: Make) -> None:
+    e = make_engine(files=10, file_bytes=16 * 4 * 4096, dram_bytes=0)
+    kv = [pages(4, 1, 4096, seed=i) for i in range(10)]
+    for i in range(10):  # ten sessions, one page each, each its own scope
+        assert e.put([f"s{i}"], kv[i], Hints(turn=1)).medium is Medium.SSD
+    assert len(e.table.scopes) == 10
+    files = {G.decode(loc.gva).offset // e.config.ssd.file_bytes for loc in e.table.entries.values()}
+    assert files == {0}  # they share the first file, back to back (whole files took all ten before)
+    assert e.usage()["ssd"]["used_bytes"] == 10 * 4 * 4096
+    dest, missing = restore(e, [f"s{i}" for i in range(10)])
+    assert missing == set() and all(np.array_equal(dest[:, i], kv[i][:, 0]) for i in range(10))
+    # A session that grows keeps one read per layer run: its next turn extends its extent in place
+    # when the space after it is free (s9's is), else takes one new extent for the whole turn (s0's).
+    more = pages(4, 3, 4096, seed=99)
+    for parent in ("s9", "s0"):
+        e.put([f"{parent}-t2-{j}" for j in range(3)], more, Hints(turn=2, parent_key=parent))
+    assert [len(s.extents) for s in (e.table.scopes[e.table.entries[k].scope] for k in ("s9", "s0"))] == [1, 2]
+    for parent in ("s9", "s0"):
+        keys = [parent] + [f"{parent}-t2-{j}" for j in range(3)]
+        before = e.stats.get("read_commands")
+        dest, missing = restore(e, keys)
+        assert missing == set() and np.array_equal(dest[:, 1:], more)
+        assert e.stats.get("read_commands") - before <= 2 * 4  # at most one per segment-layer
 
 
 def test_full_pool_refuses_cleanly(make_engine: Make) -> None:

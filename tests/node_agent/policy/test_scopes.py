@@ -38,24 +38,53 @@ def test_publish_after_reserve_and_abort_frees_space() -> None:
     res2 = t.reserve(["x"], None, SSD)
     used = t.used(Medium.SSD)
     t.abort(res2)
-    assert t.used(Medium.SSD) == used - 1 and t.lookup("x") is None and t.new_keys(["x"]) == [0]
+    assert t.used(Medium.SSD) == used - 2 * 4096 and t.lookup("x") is None and t.new_keys(["x"]) == [0]
 
 
 def test_later_turns_append_to_the_parent_scope_layer_major() -> None:
     t = table()
     first = t.reserve(["a", "b"], None, SSD)
     t.publish(first)
-    second = t.reserve(["c", "d", "e"], "b", DRAM)  # the decision is overridden by inheritance
+    second = t.reserve(["c", "d"], "b", DRAM)  # the decision is overridden by inheritance
     t.publish(second)
     assert second.scope is first.scope and second.decision.reason is Reason.INHERITED
-    # File holds 4 pages of 2 layers: 2 pages fit after turn 1, the third continues in a new file.
-    assert [(s.file, s.offset, s.first_page, s.pages) for s in second.segments] == [
-        (first.segments[0].file, 2 * 2 * 4096, 0, 2),
-        (second.segments[1].file, 0, 2, 1),
-    ]
+    # A file holds 4 pages of 2 layers: turn 2 extends the scope's extent in place, right after turn 1.
+    f = first.segments[0].file
+    assert [(s.file, s.offset, s.first_page, s.pages) for s in second.segments] == [(f, 2 * 2 * 4096, 0, 2)]
+    assert first.scope.extents == [(f, 0, 4 * 2 * 4096)]
     loc_c, loc_d = t.lookup("c"), t.lookup("d")
     assert loc_c is not None and loc_d is not None
     assert loc_c.layer_stride == 2 * 4096 and loc_d.gva - loc_c.gva == 4096
+    # Turn 3 does not fit after it: it takes one new extent holding the whole turn (one segment).
+    third = t.reserve(["e", "f", "g"], "d", SSD)
+    t.publish(third)
+    assert [(s.file, s.offset, s.first_page, s.pages) for s in third.segments] == [(f + 1, 0, 0, 3)]
+    assert first.scope.extents == [(f, 0, 4 * 2 * 4096), (f + 1, 0, 3 * 2 * 4096)]
+
+
+def test_many_scopes_share_a_file_and_a_freed_extent_is_reused() -> None:
+    t = table()
+    scopes = [t.reserve([f"s{i}"], None, SSD) for i in range(4)]
+    for r in scopes:
+        t.publish(r)
+    assert {r.segments[0].file for r in scopes} == {0}  # four one-page sessions, one file
+    assert [r.segments[0].offset for r in scopes] == [i * 2 * 4096 for i in range(4)]
+    t._free_scope(scopes[1].scope, count=True)
+    again = t.reserve(["n"], None, SSD)
+    assert (again.segments[0].file, again.segments[0].offset) == (0, 2 * 4096)  # first fit: the hole
+
+
+def test_a_put_larger_than_any_free_run_is_split_across_runs() -> None:
+    t = table()
+    held = [t.reserve([f"k{i}"], None, SSD) for i in range(16)]
+    for r in held:
+        t.publish(r)
+    for r in held[::2]:  # every other page free: 8 pages free, no two adjacent
+        t._free_scope(r.scope, count=True)
+    res = t.reserve([f"big{i}" for i in range(3)], None, SSD)
+    assert [s.pages for s in res.segments] == [1, 1, 1] and t.ssd.free_bytes == 5 * 2 * 4096
+    t.abort(res)
+    assert t.ssd.free_bytes == 8 * 2 * 4096 and not res.scope.extents
 
 
 def test_full_pool_raises_and_changes_nothing() -> None:

@@ -85,7 +85,7 @@ def check_bytes(config: EngineConfig, keys: list[str]) -> None:
 
 def test_kill_9_during_a_put_storm_loses_nothing_published(tmp_path: Path) -> None:
     node = tmp_path / "node"
-    # Room for the whole storm (a session is 9 pages in one 10-page file), so nothing is reclaimed.
+    # Room for the whole storm (1,024 files of 10 pages; a session is 9 pages), so nothing is reclaimed.
     config = small_config(node, files=1024, file_bytes=10 * 4 * 4096, dram_bytes=4096 * 4 * 4096)
     agent = start_agent(config, tmp_path)
     logs = [tmp_path / f"writer{i}.log" for i in range(2)]
@@ -121,9 +121,9 @@ def test_kill_9_during_a_put_storm_loses_nothing_published(tmp_path: Path) -> No
         assert set(stored) >= published
         assert stats["recovered"]["dropped_pages"] == 0 and stats["open_allocations"] == 0
         assert stats["usage"]["ssd"]["reclaimed_scopes"] == stats["usage"]["dram"]["reclaimed_scopes"] == 0
-        # Unpublished allocations left no space behind: every SSD scope holds exactly its one file.
+        # Unpublished allocations left no space behind: the SSD space held is exactly the stored pages'.
         ssd = stats["usage"]["ssd"]
-        assert ssd["used_bytes"] == ssd["scopes"] * config.ssd.file_bytes
+        assert ssd["used_bytes"] == ssd["pages"] * config.layers * config.page_bytes
     finally:
         err = stop_agent(agent)
     assert "torn or corrupt tail" in err
@@ -157,6 +157,6 @@ def test_eight_clients_concurrently_with_two_killed(tmp_path: Path) -> None:
         assert stats["open_allocations"] == 0 and stats["leases"] == 0  # the killed clients' too
         assert stats["usage"]["ssd"]["reclaimed_scopes"] == stats["usage"]["dram"]["reclaimed_scopes"] == 0
         ssd = stats["usage"]["ssd"]
-        assert ssd["used_bytes"] == ssd["scopes"] * config.ssd.file_bytes  # no orphaned files
+        assert ssd["used_bytes"] == ssd["pages"] * config.layers * config.page_bytes  # no orphaned space
     finally:
         stop_agent(agent)

@@ -152,9 +152,10 @@ def test_a_dead_client_leaves_no_allocation_or_pin_behind(agent_thread: Start) -
 def test_full_pool_is_an_error_that_names_the_fix(agent_thread: Start) -> None:
     a = agent_thread(files=1, file_bytes=4 * 4 * 4096, dram_bytes=0)
     with connect(a.socket) as e:
-        e.put(["a"], pages(4, 1, 4096))
-        dest = np.zeros((4, 1, 4096), np.uint8)
-        with e.get(["a"], dest):
+        full = [f"a{i}" for i in range(4)]  # the one file's 4 pages
+        e.put(full, pages(4, 4, 4096))
+        dest = np.zeros((4, 4, 4096), np.uint8)
+        with e.get(full, dest):
             with pytest.raises(PoolFullError, match="file_count"):
                 e.put(["b"], pages(4, 1, 4096))
             assert e.exists(["b"]) == 0

@@ -1,0 +1,144 @@
+"""Recovery rebuilds the same byte extents from the journal, and still reads whole-file records."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flatcake.node_agent.catalog.journal import Journal, replay
+from flatcake.node_agent.catalog.local import LocalCatalog
+from flatcake.node_agent.catalog.recovery import recover
+from flatcake.node_agent.config import PlacementConfig
+from flatcake.node_agent.policy import gva as G
+from flatcake.node_agent.policy.extents import Extent
+from flatcake.node_agent.policy.gva import Medium
+from flatcake.node_agent.policy.placement import Hints
+from flatcake.node_agent.policy.scopes import ScopeTable
+from flatcake.node_agent.service.client import connect
+from tests.support.agents import AgentThread
+from tests.support.engines import pages, small_config
+
+LAYERS, PAGE = 2, 4096
+SPAN = LAYERS * PAGE
+SSD_HINTS = Hints(context_tokens=1 << 30)  # an agent session: SSD
+
+
+def catalog(journal: Journal | None, files: int = 3, pages_per_file: int = 8) -> LocalCatalog:
+    table = ScopeTable(node_id=1, layers=LAYERS, page_bytes=PAGE, file_bytes=pages_per_file * SPAN, files=files,
+                       dram_slots=4, high_watermark=0.9, low_watermark=0.6)  # fmt: skip
+    return LocalCatalog(table, PlacementConfig(), journal)
+
+
+def allocation(c: LocalCatalog) -> tuple[dict[int, list[Extent]], list[Extent], dict[object, object]]:
+    t = c.table
+    return {s.id: sorted(s.extents) for s in t.scopes.values()}, list(t.ssd.runs()), dict(t.entries)
+
+
+@pytest.mark.unit
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 1 << 20), st.integers(1, 5), st.booleans()), max_size=40))
+def test_a_restart_rebuilds_identical_extents(steps: list[tuple[bool, int, int, bool]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "journal.log"
+        j = Journal(path, "never")
+        c = catalog(j)
+        names = iter(range(1 << 30))
+        for append, pick, n, abort in steps:
+            live = list(c.table.entries)
+            parent = live[pick % len(live)] if append and live else None
+            keys = [f"k{next(names)}" for _ in range(n)]
+            alloc = c.allocate(keys, Hints(context_tokens=1 << 30, parent_key=parent))
+            assert alloc is not None
+            if abort:  # a failed write: nothing journaled, the space goes back
+                c.abort(alloc.id)
+            else:
+                c.publish(alloc.id, [0] * n)
+        j.close()
+        before = allocation(c)
+        again = catalog(None)
+        recover(again, path, None)
+        assert allocation(again) == before
+        compacted = catalog(None)  # and the compacted journal (snapshot records) rebuilds it too
+        j2 = Journal(Path(tmp) / "compact.log", "never")
+        j2.rewrite(c.snapshot_records())
+        j2.close()
+        recover(compacted, Path(tmp) / "compact.log", None)
+        assert allocation(compacted) == before
+
+
+@pytest.mark.unit
+def test_records_of_whole_files_are_still_read(tmp_path: Path) -> None:
+    # Journal records written before byte extents: a scope named whole files and an append cursor.
+    c = catalog(None)
+    pub = {"t": "pub", "medium": int(Medium.SSD), "slots": [], "crc": [0, 0]}
+    legacy = [
+        {**pub, "scope": 1, "keys": ["a0", "a1"], "gva": [G.encode(Medium.SSD, 1, o) for o in (0, PAGE)],
+         "stride": [2 * PAGE] * 2, "files": [0], "cursor": 2 * SPAN},
+        {**pub, "scope": 2, "keys": ["b0", "b1"], "gva": [G.encode(Medium.SSD, 1, 8 * SPAN + o) for o in (0, PAGE)],
+         "stride": [2 * PAGE] * 2, "files": [1], "cursor": 2 * SPAN},
+        {**pub, "scope": 1, "keys": ["a2", "a3"], "gva": [G.encode(Medium.SSD, 1, 2 * 8 * SPAN + o) for o in (0, PAGE)],
+         "stride": [2 * PAGE] * 2, "files": [0, 2], "cursor": 2 * SPAN},
+    ]  # fmt: skip
+    j = Journal(tmp_path / "j.log", "never")
+    for rec in legacy:
+        j.append(rec)
+    j.close()
+    r = recover(c, tmp_path / "j.log", None)
+    assert (r.pages, r.scopes, r.skipped_records, r.superseded_pages) == (6, 2, 0, 0)
+    scopes = {s.id: s.extents for s in c.table.scopes.values()}
+    # Scope 1 held file 0 whole (no longer its last file) and file 2 up to its cursor; scope 2 file 1's start.
+    assert scopes == {1: [Extent(0, 0, 8 * SPAN), Extent(2, 0, 2 * SPAN)], 2: [Extent(1, 0, 2 * SPAN)]}
+    assert c.table.ssd.free_bytes == 24 * SPAN - 12 * SPAN
+    nxt = c.allocate(["new"], SSD_HINTS)  # the space after a cursor is free for anyone now
+    assert nxt is not None and (nxt.segments[0].file, nxt.segments[0].offset) == (1, 2 * SPAN)
+    j = Journal(tmp_path / "j2.log", "never")  # compaction rewrites them as extents
+    j.rewrite(c.snapshot_records())
+    j.close()
+    assert all("ext" in rec and "files" not in rec for rec in replay(tmp_path / "j2.log"))
+
+
+@pytest.mark.unit
+def test_a_lost_free_over_part_of_an_extent_drops_the_older_scope(tmp_path: Path) -> None:
+    # Scope 1 held [0, 4 pages) of file 0; its free was lost; scope 2 was given pages 2-3 of it.
+    c = catalog(None)
+    pub = {"t": "pub", "medium": int(Medium.SSD), "slots": [], "stride": [PAGE], "crc": [0]}
+    j = Journal(tmp_path / "j.log", "never")
+    j.append({**pub, "scope": 1, "keys": ["old"], "gva": [G.encode(Medium.SSD, 1, 0)], "ext": [[0, 0, 4 * SPAN]]})
+    j.append({**pub, "scope": 2, "keys": ["new"], "gva": [G.encode(Medium.SSD, 1, 2 * SPAN)],
+              "ext": [[0, 2 * SPAN, SPAN]]})  # fmt: skip
+    j.close()
+    r = recover(c, tmp_path / "j.log", None)
+    assert (r.pages, r.superseded_pages) == (1, 1) and c.table.lookup("old") is None
+    assert [s.extents for s in c.table.scopes.values()] == [[Extent(0, 2 * SPAN, SPAN)]]
+
+
+@pytest.mark.integration
+def test_ten_one_page_sessions_share_one_file_across_an_agent_restart(tmp_path: Path) -> None:
+    config = small_config(tmp_path / "node", files=4, file_bytes=64 * 4 * 4096)
+    a = AgentThread(config)
+    kv = [pages(4, 1, 4096, seed=i) for i in range(10)]
+    try:
+        with connect(a.socket) as e:
+            for i in range(10):
+                e.put([f"s{i}"], kv[i], SSD_HINTS)
+        table = a.agent.catalog.table
+        files = {G.decode(loc.gva).offset // config.ssd.file_bytes for loc in table.entries.values()}
+        assert files == {0} and table.usage()["ssd"]["used_bytes"] == 10 * 4 * 4096
+        before = {s.id: sorted(s.extents) for s in table.scopes.values()}, list(table.ssd.runs())
+    finally:
+        a.stop()
+    b = AgentThread(config)
+    try:
+        table = b.agent.catalog.table
+        assert ({s.id: sorted(s.extents) for s in table.scopes.values()}, list(table.ssd.runs())) == before
+        with connect(b.socket) as e:
+            dest = np.zeros((4, 10, 4096), np.uint8)
+            e.get([f"s{i}" for i in range(10)], dest).run()
+            assert all(np.array_equal(dest[:, i], kv[i][:, 0]) for i in range(10))
+    finally:
+        b.stop()
