@@ -319,7 +319,7 @@ class FlatCake(System):
             self.placed_bytes[Medium.DRAM] += len(alloc.slots) * c.page_span
             catalog.publish(alloc.id, [0] * len(new))
             return
-        self.placed_bytes[Medium.SSD] += sum(1 for s in alloc.segments if s.offset == 0) * c.scope_file_bytes
+        self.placed_bytes[Medium.SSD] += sum(s.pages for s in alloc.segments) * c.page_span  # byte extents
         # New pages stay pinned in HBM until their write lands; then the key is published.
         inst.hbm.pin(new, +1)
         done = self.ssd[inst.node].submit(self.loop.now, len(new) * c.page_span, len(alloc.segments), write=True)
