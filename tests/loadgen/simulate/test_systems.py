@@ -106,3 +106,38 @@ def test_tiered_l3_reclaims_its_log_by_bucket(tmp_path: Path) -> None:
     cfg = small(sessions_trace(tmp_path / "t.jsonl", sessions=8), dram_bytes=1 * GiB, ssd_bytes=8 * 512 * MiB)
     _, sim = simulate(cfg, "tiered-l3", 1.0)
     assert isinstance(sim, Tiered) and sim.reclaimed_buckets > 0
+
+
+def test_the_same_inputs_give_the_same_json(tmp_path: Path) -> None:
+    """No hidden randomness or wall-clock dependence: a what-if answer can be reproduced exactly."""
+    cfg = small(sessions_trace(tmp_path / "t.jsonl", sessions=5, turns=3), dram_bytes=2 * GiB, ssd_bytes=8 * GiB)
+    for system in ("flatcake", "tiered-l2", "tiered-l3"):
+        first, _ = simulate(cfg, system, 2.0)
+        again, _ = simulate(cfg, system, 2.0)
+        for r in (first, again):
+            r.pop("sim_wall_s")  # how long the simulation itself took: the one field that may differ
+        assert json.dumps(first, sort_keys=True) == json.dumps(again, sort_keys=True), system
+
+
+def test_the_policy_is_imported_from_the_agent_not_copied() -> None:
+    """The simulator must run the agent's own decisions: it imports them from the node agent's public
+    face, and nothing under loadgen defines a function of the same name (a copy that could drift)."""
+    import ast
+
+    from flatcake import loadgen
+
+    root = Path(loadgen.__file__).parent
+    # LocalCatalog places by ``decide`` and reclaims through ScopeTable; Scheduler orders by ``hrrn``.
+    used = {"LocalCatalog", "ScopeTable", "Scheduler", "plan_restore"}
+    policy = used | {"decide", "hrrn"}
+    imported: set[str] = set()
+    defined: list[str] = []
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "flatcake.node_agent":
+                if path.parent.name == "simulate":
+                    imported |= {a.name for a in node.names}
+            elif isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name in policy:
+                defined.append(f"{path.relative_to(root)}:{node.name}")
+    assert used <= imported and not defined, (used - imported, defined)
