@@ -152,6 +152,15 @@ class System:
     def arrive(self, req: SimRequest) -> None:
         raise NotImplementedError
 
+    def _admit(self, req: SimRequest) -> Job:
+        """Route the request and pin the prefix it finds in its instance's HBM, for every system."""
+        inst = self.instance(req)
+        rec = Record(req.index, self.loop.now, req.input_tokens, req.output_tokens, len(req.keys))
+        h = inst.hbm.prefix(req.keys)
+        inst.hbm.touch(req.keys[:h])
+        inst.hbm.pin(req.keys[:h], +1)
+        return Job(req, rec, inst, h)
+
     def _finish_prefill(self, job: Job, cached: int, dram_pages: int) -> None:
         """Start the prefill of the uncached tokens now; the GPU is busy until the first token."""
         c, now, rec = self.c, self.loop.now, job.rec
@@ -211,14 +220,8 @@ class FlatCake(System):
         self.read_bytes = 0
 
     def arrive(self, req: SimRequest) -> None:
-        inst = self.instance(req)
-        now = self.loop.now
-        rec = Record(req.index, now, req.input_tokens, req.output_tokens, len(req.keys))
-        keys = req.keys
-        h = inst.hbm.prefix(keys)
-        inst.hbm.touch(keys[:h])
-        inst.hbm.pin(keys[:h], +1)
-        job = Job(req, rec, inst, h)
+        job = self._admit(req)
+        inst, now, keys, h = job.inst, self.loop.now, req.keys, job.hbm_pages
         catalog = self.catalogs[inst.node]
         rest = keys[h:]
         n = catalog.exists(rest)
@@ -371,14 +374,8 @@ class Tiered(System):
         return n - start
 
     def arrive(self, req: SimRequest) -> None:
-        inst = self.instance(req)
-        now = self.loop.now
-        rec = Record(req.index, now, req.input_tokens, req.output_tokens, len(req.keys))
-        keys = req.keys
-        h = inst.hbm.prefix(keys)
-        inst.hbm.touch(keys[:h])
-        inst.hbm.pin(keys[:h], +1)
-        job = Job(req, rec, inst, h)
+        job = self._admit(req)
+        inst, keys, h = job.inst, req.keys, job.hbm_pages
         d = 0
         while h + d < len(keys) and keys[h + d] in inst.l2:
             d += 1
