@@ -190,8 +190,9 @@ def _loadgen_run(args: argparse.Namespace) -> int:
 
     cfg = LoadgenConfig(host=args.host, trace=args.trace, qps=args.qps, system=args.system, results=args.results,
                         csv_prefix=args.csv, limit=args.limit, api=args.api, max_output=args.max_output,
-                        users=args.users, role=args.role, master_host=args.master_host, master_port=args.master_port,
-                        workers=args.workers, allow_remote=args.allow_remote)  # fmt: skip
+                        prompt_format=args.prompt_format, users=args.users, role=args.role,
+                        master_host=args.master_host, master_port=args.master_port, workers=args.workers,
+                        allow_remote=args.allow_remote)  # fmt: skip
     return run(cfg, quiet=False)
 
 
@@ -380,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     lrun.add_argument("--limit", type=int, help="replay only the first N requests")
     lrun.add_argument("--api", choices=["openai", "sglang"], default="openai")
     lrun.add_argument("--max-output", type=int, default=16, dest="max_output")
+    lrun.add_argument("--prompt-format", choices=["ids", "text"], default="ids", dest="prompt_format",
+                      help="token ids, or text under the emulator's rule (4 characters a token)")  # fmt: skip
     lrun.add_argument("--users", type=int, default=64, help="concurrent Locust users (in flight at most)")
     lrun.add_argument("--role", choices=["local", "master", "worker"], default="local")
     lrun.add_argument("--master-host", default="127.0.0.1", dest="master_host")

@@ -34,6 +34,8 @@ def _options(parser: Any) -> None:
     parser.add_argument("--qps", type=float, default=1.0, help="target arrival rate")
     parser.add_argument("--api", choices=["openai", "sglang"], default="openai")
     parser.add_argument("--max-output", type=int, default=16, help="cap on output tokens per request")
+    parser.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                        help="token ids, or text (4 characters a token: flatcake.loadgen.tokens)")  # fmt: skip
     parser.add_argument("--results", default="results.jsonl", help="per-request JSON lines (one file per process)")
     parser.add_argument("--system", default="unknown", help="name of the system under test, for the report")
     parser.add_argument("--replay-workers", type=int, default=1, help="how many processes share the trace")
@@ -201,10 +203,11 @@ class TraceUser(HttpUser):
         assert o is not None
         tokens = prompt_tokens(item.request)
         n_out = max(1, min(item.request.output_length, o.max_output))
+        payload = body(o.api, tokens, n_out, text=o.prompt_format == "text")
         sent = time.perf_counter()
         rec = Record(item.index, o.system, o.qps, item.at, sent - r.start, None, None, len(tokens), 0, 0, {}, False)
         try:
-            with self.client.post(path(o.api), json=body(o.api, tokens, n_out), stream=True, catch_response=True,
+            with self.client.post(path(o.api), json=payload, stream=True, catch_response=True,
                                   name=path(o.api), timeout=600) as resp:  # fmt: skip
                 if resp.status_code != 200:
                     resp.failure(f"HTTP {resp.status_code}")

@@ -32,6 +32,7 @@ class LoadgenConfig:
     limit: int | None = None
     api: str = "openai"
     max_output: int = 16
+    prompt_format: str = "ids"  # ids | text (the shared 4-characters-a-token rule)
     users: int = 64
     role: str = "local"  # local | master | worker
     master_host: str = "127.0.0.1"
@@ -60,6 +61,7 @@ def command(cfg: LoadgenConfig) -> list[str]:
     exe = Path(sys.executable).parent / "locust"
     cmd = [str(exe), "-f", str(LOCUSTFILE), "--headless", "--host", cfg.host, "--only-summary",
            "--trace", cfg.trace, "--qps", str(cfg.qps), "--api", cfg.api, "--max-output", str(cfg.max_output),
+           "--prompt-format", cfg.prompt_format,
            "--results", cfg.results, "--system", cfg.system, "--replay-workers", str(cfg.workers),
            "--run-time", f"{int(span + cfg.margin_s)}s", "--stop-timeout", "60"]  # fmt: skip
     if cfg.limit:
