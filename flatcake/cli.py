@@ -136,6 +136,17 @@ def _emulate(args: argparse.Namespace) -> int:
 T = TypeVar("T")
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, checked before anything starts."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0..65535; 0 picks a free one)")
+    return port
+
+
 def _csv(kind: Callable[[str], T], flag: str) -> Callable[[str], tuple[T, ...]]:
     """An argparse type for comma-separated values, naming the flag when one is bad."""
 
@@ -241,8 +252,25 @@ def _agent_serve(args: argparse.Namespace) -> int:
     from flatcake.node_agent.config import EngineConfig
     from flatcake.node_agent.service import main as agent
 
-    agent.run(EngineConfig.load(args.config))
+    config = EngineConfig.load(args.config)
+    if args.metrics_host is not None:
+        config = dataclasses.replace(config, agent=dataclasses.replace(config.agent, metrics_host=_address(args)))
+    agent.run(config)
     return 0
+
+
+def _address(args: argparse.Namespace) -> str:
+    """``--metrics-host``: an IP address. In a pod it is ``$(POD_IP)``, which Kubernetes expands only
+    when the container's env sets POD_IP (from status.podIP); unexpanded, say so."""
+    import ipaddress
+
+    try:
+        return str(ipaddress.ip_address(args.metrics_host))
+    except ValueError:
+        raise ConfigError(
+            f"--metrics-host: {args.metrics_host!r} is not an IP address (e.g. 127.0.0.1, or the pod's IP: "
+            "set POD_IP from status.podIP in the container's env and pass $(POD_IP))"
+        ) from None
 
 
 def _operator(args: argparse.Namespace) -> int:
@@ -427,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     emulate = sub.add_parser("emulate", help="an inference server that stores real KV through the storage under test")
     emulate.add_argument("--mode", choices=["flatcake", "tiered", "dram", "none"], default="flatcake")
     emulate.add_argument("--host", default="127.0.0.1")
-    emulate.add_argument("--port", type=int, default=8000)
+    emulate.add_argument("--port", type=_port, default=8000, help="TCP port, 0..65535 (0: a free one)")
     emulate.add_argument("--data-dir", dest="data_dir")
     emulate.add_argument("--agent-socket", dest="agent_socket", help="flatcake mode: use this node agent")
     emulate.add_argument("--model", help="model preset: KV geometry and GPU costs (dsv4-flash, llama3-70b-tp4)")
@@ -451,6 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="the node agent").add_subparsers(dest="agent", required=True)
     serve = agent.add_parser("serve", help="serve the storage engine's catalog to this node's clients")
     serve.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")
+    serve.add_argument("--metrics-host", dest="metrics_host",
+                       help="IP for /metrics, /healthz, /readyz (default: agent.metrics_host, 127.0.0.1)")  # fmt: skip
     serve.set_defaults(func=_agent_serve)
     prep = agent.add_parser("prepare", help="hugepages, RAID-0, XFS, mount and the file pool (plan, then apply)")
     prep.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")

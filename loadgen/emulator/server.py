@@ -32,6 +32,8 @@ import hashlib
 import itertools
 import json
 import logging
+import shutil
+import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -47,6 +49,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 import flatcake
 from flatcake import metrics as M
+from flatcake.errors import ConfigError
 from flatcake.loadgen import tokens
 from flatcake.loadgen.models import ModelPreset, gpu_profile, preset
 from flatcake.loadgen.systems import hicache
@@ -121,6 +124,17 @@ class EmulatorConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode: {self.mode!r} must be one of {MODES}")
+        # Checked before anything is created (``serve`` binds, then makes the pools).
+        for name in ("hbm_bytes", "ssd_bytes", "scope_file_bytes", "layers", "page_tokens", "bytes_per_token_layer",
+                     "prefetchers"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}: {value!r} must be a positive integer")
+        if not isinstance(self.dram_bytes, int) or self.dram_bytes < 0:
+            raise ConfigError(f"dram_bytes: {self.dram_bytes!r} must be an integer >= 0")
+        for name in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: {getattr(self, name)!r} must be > 0")
         p = self.preset  # an unknown model or GPU is refused here, naming the field
         gpu_profile(self.gpu)
         if p is not None:  # the preset's geometry, padded page-layers as the engine stores them
@@ -1173,7 +1187,52 @@ def make_app(cfg: EmulatorConfig, emulator: Emulator | None = None) -> web.Appli
     return app
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before any pool is made: a bad address costs nothing."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port: {port} is not a TCP port (0..65535; 0 picks a free one)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError):
+        raise ConfigError(
+            f"--host: {host!r} is neither an IP address nor a name this machine resolves "
+            "(e.g. 127.0.0.1, ::1, or 0.0.0.0 for every interface)"
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--host/--port: cannot listen on {host}:{port} ({exc.strerror}); pick another "
+                          "port (0 picks a free one) or stop what holds it") from None  # fmt: skip
+    return sock
+
+
+def create(cfg: EmulatorConfig) -> Emulator:
+    """The emulator and its pools; if making them fails, the directories this call created go too
+    (a failed start leaves no pool files behind)."""
+    root = Path(cfg.data_dir)
+    made = next((d for d in (root, root / cfg.mode) if not d.exists()), None)
+    try:
+        return Emulator(cfg)
+    except BaseException:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
 def serve(cfg: EmulatorConfig, host: str, port: int) -> None:
+    """Bind, then make the pools, then serve until interrupted."""
+    sock = bind(host, port)
     if host not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
         log.warning("emulator listening on %s", host)
-    web.run_app(make_app(cfg), host=host, port=port, print=lambda m: log.warning("%s", m))
+    try:
+        emulator = create(cfg)
+    except BaseException:
+        sock.close()
+        raise
+    web.run_app(make_app(cfg, emulator), sock=sock, print=lambda m: log.warning("%s", m))
