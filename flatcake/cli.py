@@ -203,7 +203,8 @@ def _loadgen_run(args: argparse.Namespace) -> int:
                         csv_prefix=args.csv, limit=args.limit, api=args.api, max_output=args.max_output,
                         prompt_format=args.prompt_format, users=args.users, role=args.role,
                         master_host=args.master_host, master_port=args.master_port, workers=args.workers,
-                        allow_remote=args.allow_remote)  # fmt: skip
+                        allow_remote=args.allow_remote, html=args.html, progress_s=args.progress,
+                        locust_args=tuple(args.locust_args))  # fmt: skip
     return run(cfg, quiet=False)
 
 
@@ -405,7 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
     lrun.add_argument("--qps", type=float, required=True)
     lrun.add_argument("--system", default="unknown", help="name of the system under test, for the report")
     lrun.add_argument("--results", default="results/loadgen/results.jsonl")
-    lrun.add_argument("--csv", help="Locust CSV prefix")
+    lrun.add_argument("--csv", metavar="PREFIX", help="Locust's CSV files (PREFIX_stats.csv, ...)")
+    lrun.add_argument("--html", metavar="PATH", help="Locust's HTML report")
+    lrun.add_argument("--progress", type=float, default=10.0, metavar="SECONDS",
+                      help="a progress line every SECONDS on stderr (0: none)")  # fmt: skip
+    lrun.add_argument("locust_args", nargs="*", metavar="-- LOCUST_FLAGS",
+                      help="after --, Locust's own flags, passed through (e.g. -- --csv-full-history)")  # fmt: skip
     lrun.add_argument("--limit", type=int, help="replay only the first N requests")
     lrun.add_argument("--api", choices=["openai", "sglang"], default="openai")
     lrun.add_argument("--max-output", type=int, default=16, dest="max_output")

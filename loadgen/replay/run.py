@@ -42,6 +42,9 @@ class LoadgenConfig:
     metrics_port: int = 0  # serve the load generator's Prometheus metrics (on loopback, worker i: port + i)
     metrics_host: str = "127.0.0.1"
     margin_s: float = 120.0
+    html: str | None = None  # Locust's HTML report
+    progress_s: float = 10.0  # a progress line per interval on stderr (0: none)
+    locust_args: tuple[str, ...] = ()  # Locust's own flags, passed through last (they win)
 
 
 def check_loopback(url: str) -> None:
@@ -72,11 +75,14 @@ def command(cfg: LoadgenConfig) -> list[str]:
         cmd += ["-u", str(cfg.users), "-r", str(cfg.users)]
     if cfg.csv_prefix and cfg.role != "worker":
         cmd += ["--csv", cfg.csv_prefix]
+    if cfg.html and cfg.role != "worker":
+        cmd += ["--html", cfg.html]
+    cmd += ["--progress-interval", f"{cfg.progress_s:g}"]
     if cfg.role == "master":
         cmd += ["--master", "--expect-workers", str(cfg.workers), "--master-bind-port", str(cfg.master_port)]
     elif cfg.role == "worker":
         cmd += ["--worker", "--master-host", cfg.master_host, "--master-port", str(cfg.master_port)]
-    return cmd
+    return cmd + list(cfg.locust_args)
 
 
 def run(cfg: LoadgenConfig, quiet: bool = True) -> int:
