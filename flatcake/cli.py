@@ -460,9 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     emulate = sub.add_parser("emulate", help="an inference server that stores real KV through the storage under test")
     emulate.add_argument("--mode", choices=["flatcake", "tiered", "dram", "none"], default="flatcake")
-    emulate.add_argument("--host", default="127.0.0.1")
+    emulate.add_argument(
+        "--host", default="127.0.0.1", help="IP address or name to listen on; 0.0.0.0: every interface"
+    )
     emulate.add_argument("--port", type=_port, default=8000, help="TCP port, 0..65535 (0: a free one)")
-    emulate.add_argument("--data-dir", dest="data_dir")
+    emulate.add_argument("--data-dir", dest="data_dir", default=".flatcake-emulator", help="where the pools go")
     emulate.add_argument("--agent-socket", dest="agent_socket", help="flatcake mode: use this node agent")
     emulate.add_argument("--model", help="model preset: KV geometry and GPU costs (dsv4-flash, llama3-70b-tp4)")
     emulate.add_argument("--gpu", help="the modelled GPU with --model: h200 (default) or a100")
@@ -474,7 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind in (("hbm-bytes", int), ("dram-bytes", int), ("ssd-bytes", int), ("scope-file-bytes", int),
                        ("prefill-tokens-per-s", float), ("decode-tokens-per-s", float), ("layers", int),
                        ("bytes-per-token-layer", int)):  # fmt: skip
-        emulate.add_argument(f"--{name}", type=kind, dest=name.replace("-", "_"))
+        field = name.replace("-", "_")  # unset: EmulatorConfig's default, shown here
+        emulate.add_argument(f"--{name}", type=kind, dest=field, help=f"(default: {EMULATOR_DEFAULTS[field]})")
     emulate.add_argument(
         "--scheduler",
         choices=SCHEDULER_POLICIES,
@@ -502,19 +505,70 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each option's default, unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = action.default not in (None, False, [], (), argparse.SUPPRESS)
+        if shown and action.option_strings and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+# EmulatorConfig's defaults, for --help without importing the emulator (numpy, aiohttp) on every
+# command; tests/flatcake/test_cli.py checks they are the dataclass's.
+EMULATOR_DEFAULTS = {
+    "hbm_bytes": 16 << 20, "dram_bytes": 64 << 20, "ssd_bytes": 2048 << 20, "scope_file_bytes": 8 << 20,
+    "prefill_tokens_per_s": 100_000.0, "decode_tokens_per_s": 200.0, "layers": 4, "bytes_per_token_layer": 64,
+}  # fmt: skip
+
+
+def _with_defaults(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _HelpFormatter
+    for action in parser._actions:  # argparse has no public walk over subcommands
+        if action.help is None and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            action.help = "(default: %(default)s)"  # argparse prints no line for an option without help
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _with_defaults(sub)
+
+
+def _end_progress() -> None:
+    """Clear a progress bar still drawn on stderr, so an error starts on a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is None:
+        return
+    for bar in list(getattr(tqdm.tqdm, "_instances", ())):
+        bar.leave = False
+        bar.close()
+
+
+def _fail(message: str, code: int) -> int:
+    _end_progress()
+    print(f"flatcake: error: {message}", file=sys.stderr)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    _with_defaults(parser)
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
         return int(args.func(args))
     except FlatCakeError as exc:  # each kind has its exit code (flatcake/errors.py)
-        print(f"flatcake: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return _fail(str(exc), exc.exit_code)
     except (ValueError, RuntimeError, OSError) as exc:  # bad arguments or an environment problem, said plainly
-        print(f"flatcake: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc), 2)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except Exception as exc:  # a bug: one line, the traceback with -v
+        if args.verbose:
+            raise
+        return _fail(f"{type(exc).__name__}: {exc} (internal error; run with -v for the traceback)", 1)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,19 @@ class LoadgenConfig:
     locust_args: tuple[str, ...] = ()  # Locust's own flags, passed through last (they win)
 
 
+def check_url(url: str) -> None:
+    """``--host`` is a base URL: scheme, host and optional port (what Locust's --host takes)."""
+    parsed = urlparse(url)
+    try:
+        parsed.port  # noqa: B018 - raises on a port that is not a number in 0..65535
+    except ValueError:
+        parsed = parsed._replace(netloc="")
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"host: {url!r} is not a base URL; expected http://HOST:PORT, e.g. http://127.0.0.1:8000")
+
+
 def check_loopback(url: str) -> None:
+    check_url(url)
     host = urlparse(url).hostname or ""
     try:
         addrs = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
@@ -86,6 +98,7 @@ def command(cfg: LoadgenConfig) -> list[str]:
 
 
 def run(cfg: LoadgenConfig, quiet: bool = True) -> int:
+    check_url(cfg.host)
     if not cfg.allow_remote:
         check_loopback(cfg.host)
     if cfg.qps <= 0:
