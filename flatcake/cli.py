@@ -136,6 +136,17 @@ def _emulate(args: argparse.Namespace) -> int:
 T = TypeVar("T")
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, checked before anything starts."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0..65535; 0 picks a free one)")
+    return port
+
+
 def _csv(kind: Callable[[str], T], flag: str) -> Callable[[str], tuple[T, ...]]:
     """An argparse type for comma-separated values, naming the flag when one is bad."""
 
@@ -190,8 +201,10 @@ def _loadgen_run(args: argparse.Namespace) -> int:
 
     cfg = LoadgenConfig(host=args.host, trace=args.trace, qps=args.qps, system=args.system, results=args.results,
                         csv_prefix=args.csv, limit=args.limit, api=args.api, max_output=args.max_output,
-                        users=args.users, role=args.role, master_host=args.master_host, master_port=args.master_port,
-                        workers=args.workers, allow_remote=args.allow_remote)  # fmt: skip
+                        prompt_format=args.prompt_format, users=args.users, role=args.role,
+                        master_host=args.master_host, master_port=args.master_port, workers=args.workers,
+                        allow_remote=args.allow_remote, html=args.html, progress_s=args.progress,
+                        locust_args=tuple(args.locust_args))  # fmt: skip
     return run(cfg, quiet=False)
 
 
@@ -240,8 +253,25 @@ def _agent_serve(args: argparse.Namespace) -> int:
     from flatcake.node_agent.config import EngineConfig
     from flatcake.node_agent.service import main as agent
 
-    agent.run(EngineConfig.load(args.config))
+    config = EngineConfig.load(args.config)
+    if args.metrics_host is not None:
+        config = dataclasses.replace(config, agent=dataclasses.replace(config.agent, metrics_host=_address(args)))
+    agent.run(config)
     return 0
+
+
+def _address(args: argparse.Namespace) -> str:
+    """``--metrics-host``: an IP address. In a pod it is ``$(POD_IP)``, which Kubernetes expands only
+    when the container's env sets POD_IP (from status.podIP); unexpanded, say so."""
+    import ipaddress
+
+    try:
+        return str(ipaddress.ip_address(args.metrics_host))
+    except ValueError:
+        raise ConfigError(
+            f"--metrics-host: {args.metrics_host!r} is not an IP address (e.g. 127.0.0.1, or the pod's IP: "
+            "set POD_IP from status.podIP in the container's env and pass $(POD_IP))"
+        ) from None
 
 
 def _operator(args: argparse.Namespace) -> int:
@@ -376,10 +406,17 @@ def build_parser() -> argparse.ArgumentParser:
     lrun.add_argument("--qps", type=float, required=True)
     lrun.add_argument("--system", default="unknown", help="name of the system under test, for the report")
     lrun.add_argument("--results", default="results/loadgen/results.jsonl")
-    lrun.add_argument("--csv", help="Locust CSV prefix")
+    lrun.add_argument("--csv", metavar="PREFIX", help="Locust's CSV files (PREFIX_stats.csv, ...)")
+    lrun.add_argument("--html", metavar="PATH", help="Locust's HTML report")
+    lrun.add_argument("--progress", type=float, default=10.0, metavar="SECONDS",
+                      help="a progress line every SECONDS on stderr (0: none)")  # fmt: skip
+    lrun.add_argument("locust_args", nargs="*", metavar="-- LOCUST_FLAGS",
+                      help="after --, Locust's own flags, passed through (e.g. -- --csv-full-history)")  # fmt: skip
     lrun.add_argument("--limit", type=int, help="replay only the first N requests")
     lrun.add_argument("--api", choices=["openai", "sglang"], default="openai")
     lrun.add_argument("--max-output", type=int, default=16, dest="max_output")
+    lrun.add_argument("--prompt-format", choices=["ids", "text"], default="ids", dest="prompt_format",
+                      help="token ids, or text under the emulator's rule (4 characters a token)")  # fmt: skip
     lrun.add_argument("--users", type=int, default=64, help="concurrent Locust users (in flight at most)")
     lrun.add_argument("--role", choices=["local", "master", "worker"], default="local")
     lrun.add_argument("--master-host", default="127.0.0.1", dest="master_host")
@@ -423,9 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     emulate = sub.add_parser("emulate", help="an inference server that stores real KV through the storage under test")
     emulate.add_argument("--mode", choices=["flatcake", "tiered", "dram", "none"], default="flatcake")
-    emulate.add_argument("--host", default="127.0.0.1")
-    emulate.add_argument("--port", type=int, default=8000)
-    emulate.add_argument("--data-dir", dest="data_dir")
+    emulate.add_argument(
+        "--host", default="127.0.0.1", help="IP address or name to listen on; 0.0.0.0: every interface"
+    )
+    emulate.add_argument("--port", type=_port, default=8000, help="TCP port, 0..65535 (0: a free one)")
+    emulate.add_argument("--data-dir", dest="data_dir", default=".flatcake-emulator", help="where the pools go")
     emulate.add_argument("--agent-socket", dest="agent_socket", help="flatcake mode: use this node agent")
     emulate.add_argument("--model", help="model preset: KV geometry and GPU costs (dsv4-flash, llama3-70b-tp4)")
     emulate.add_argument("--gpu", help="the modelled GPU with --model: h200 (default) or a100")
@@ -437,7 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind in (("hbm-bytes", int), ("dram-bytes", int), ("ssd-bytes", int), ("scope-file-bytes", int),
                        ("prefill-tokens-per-s", float), ("decode-tokens-per-s", float), ("layers", int),
                        ("bytes-per-token-layer", int)):  # fmt: skip
-        emulate.add_argument(f"--{name}", type=kind, dest=name.replace("-", "_"))
+        field = name.replace("-", "_")  # unset: EmulatorConfig's default, shown here
+        emulate.add_argument(f"--{name}", type=kind, dest=field, help=f"(default: {EMULATOR_DEFAULTS[field]})")
     emulate.add_argument(
         "--scheduler",
         choices=SCHEDULER_POLICIES,
@@ -448,6 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="the node agent").add_subparsers(dest="agent", required=True)
     serve = agent.add_parser("serve", help="serve the storage engine's catalog to this node's clients")
     serve.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")
+    serve.add_argument("--metrics-host", dest="metrics_host",
+                       help="IP for /metrics, /healthz, /readyz (default: agent.metrics_host, 127.0.0.1)")  # fmt: skip
     serve.set_defaults(func=_agent_serve)
     prep = agent.add_parser("prepare", help="hugepages, RAID-0, XFS, mount and the file pool (plan, then apply)")
     prep.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")
@@ -463,19 +505,70 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each option's default, unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = action.default not in (None, False, [], (), argparse.SUPPRESS)
+        if shown and action.option_strings and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+# EmulatorConfig's defaults, for --help without importing the emulator (numpy, aiohttp) on every
+# command; tests/flatcake/test_cli.py checks they are the dataclass's.
+EMULATOR_DEFAULTS = {
+    "hbm_bytes": 16 << 20, "dram_bytes": 64 << 20, "ssd_bytes": 2048 << 20, "scope_file_bytes": 8 << 20,
+    "prefill_tokens_per_s": 100_000.0, "decode_tokens_per_s": 200.0, "layers": 4, "bytes_per_token_layer": 64,
+}  # fmt: skip
+
+
+def _with_defaults(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _HelpFormatter
+    for action in parser._actions:  # argparse has no public walk over subcommands
+        if action.help is None and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            action.help = "(default: %(default)s)"  # argparse prints no line for an option without help
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _with_defaults(sub)
+
+
+def _end_progress() -> None:
+    """Clear a progress bar still drawn on stderr, so an error starts on a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is None:
+        return
+    for bar in list(getattr(tqdm.tqdm, "_instances", ())):
+        bar.leave = False
+        bar.close()
+
+
+def _fail(message: str, code: int) -> int:
+    _end_progress()
+    print(f"flatcake: error: {message}", file=sys.stderr)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    _with_defaults(parser)
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
         return int(args.func(args))
     except FlatCakeError as exc:  # each kind has its exit code (flatcake/errors.py)
-        print(f"flatcake: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return _fail(str(exc), exc.exit_code)
     except (ValueError, RuntimeError, OSError) as exc:  # bad arguments or an environment problem, said plainly
-        print(f"flatcake: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc), 2)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except Exception as exc:  # a bug: one line, the traceback with -v
+        if args.verbose:
+            raise
+        return _fail(f"{type(exc).__name__}: {exc} (internal error; run with -v for the traceback)", 1)
 
 
 if __name__ == "__main__":

@@ -98,7 +98,9 @@ class PrepareConfig:
 @dataclass(frozen=True)
 class AgentConfig:
     socket: str = "/run/flatcake/agent.sock"  # control socket, mode 0660
-    metrics_host: str = "0.0.0.0"  # Prometheus scrapes the pod IP; 127.0.0.1 keeps it on the node
+    # /metrics, /healthz and /readyz on loopback unless configured: an agent started by hand is not on
+    # the network. In a cluster the DaemonSet passes the pod's IP (`agent serve --metrics-host`).
+    metrics_host: str = "127.0.0.1"
     metrics_port: int = 9470  # /metrics, /healthz, /readyz
     http_timeout_s: float = 5.0  # an HTTP connection silent this long is closed
     http_max_connections: int = 64  # HTTP connections served at once; more are closed at accept
@@ -211,14 +213,42 @@ class EngineConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> EngineConfig:
+        """An agent's configuration file: every field is checked, and the ``REQUIRED`` ones must be
+        given (``from_dict`` fills defaults, for in-process engines and tests)."""
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(data)
+        config = cls.from_dict(data)  # a malformed field is named first, then what is missing
+        missing = missing_required(data)
+        if missing:
+            raise ConfigError(
+                f"{path}: required field(s) missing: {', '.join(missing)}. The KV geometry must match the "
+                "serving engine's, and the pool's place and size are the operator's choice (no default writes "
+                'gigabytes to a guessed directory); e.g. {"layers": 43, "page_bytes": 49152, "page_tokens": 256, '
+                '"dram": {"bytes": 1073741824}, "ssd": {"dir": "/var/lib/flatcake/pool", "file_bytes": '
+                '268435456, "file_count": 16}}'
+            )
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# What a configuration file must give: no default fits every model (the geometry) or node (the pool).
+REQUIRED = ("layers", "page_bytes", "page_tokens", "dram.bytes", "ssd.dir", "ssd.file_bytes", "ssd.file_count")
+
+
+def missing_required(data: dict[str, Any]) -> list[str]:
+    """The ``REQUIRED`` dotted fields absent from ``data``."""
+    missing = []
+    for name in REQUIRED:
+        node: Any = data
+        for part in name.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is None:
+            missing.append(name)
+    return missing
 
 
 def _one_of(value: str, allowed: tuple[str, ...], where: str) -> None:

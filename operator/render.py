@@ -99,6 +99,10 @@ def pool_root(spec: CacheSpec, cache: Cache) -> str:
     return f"{spec.directory.rstrip('/')}/{cache.instance}"
 
 
+# The pod's IP for the agent's HTTP endpoint: scraped and probed there, not on every interface.
+POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
 def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str, Any]:
     """The engine configuration for every agent of this cache (NodeIDs come from the NodeID map)."""
     run_dir = f"{RUN_ROOT}/{cache.instance}"
@@ -142,7 +146,9 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
         },
         "agent": {
             "socket": f"{run_dir}/agent.sock",
-            "metrics_host": "0.0.0.0",
+            # Each pod binds its own IP (`agent serve --metrics-host $(POD_IP)`, below): the ConfigMap is
+            # shared by every node, and the default (loopback) is what an agent run by hand gets.
+            "metrics_host": "127.0.0.1",
             "metrics_port": spec.metrics_port,
             "journal_fsync": "interval",
             "journal_fsync_ms": 100,
@@ -319,8 +325,8 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
                             "name": "agent",
                             "image": spec.image,
                             "imagePullPolicy": spec.image_pull_policy,
-                            "command": [*command, "serve", *config_arg],
-                            "env": node_env,
+                            "command": [*command, "serve", "--metrics-host", "$(POD_IP)", *config_arg],
+                            "env": [*node_env, POD_IP_ENV],
                             "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
                             "resources": _agent_resources(spec),
                             "securityContext": {

@@ -27,11 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
 import logging
+import shutil
+import socket
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,7 +47,10 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
+import flatcake
 from flatcake import metrics as M
+from flatcake.errors import ConfigError
+from flatcake.loadgen import tokens
 from flatcake.loadgen.models import ModelPreset, gpu_profile, preset
 from flatcake.loadgen.systems import hicache
 from flatcake.loadgen.systems.tiered import TieredStore
@@ -117,6 +124,17 @@ class EmulatorConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode: {self.mode!r} must be one of {MODES}")
+        # Checked before anything is created (``serve`` binds, then makes the pools).
+        for name in ("hbm_bytes", "ssd_bytes", "scope_file_bytes", "layers", "page_tokens", "bytes_per_token_layer",
+                     "prefetchers"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}: {value!r} must be a positive integer")
+        if not isinstance(self.dram_bytes, int) or self.dram_bytes < 0:
+            raise ConfigError(f"dram_bytes: {self.dram_bytes!r} must be an integer >= 0")
+        for name in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: {getattr(self, name)!r} must be > 0")
         p = self.preset  # an unknown model or GPU is refused here, naming the field
         gpu_profile(self.gpu)
         if p is not None:  # the preset's geometry, padded page-layers as the engine stores them
@@ -673,6 +691,15 @@ class Emulator:
             await asyncio.sleep(step)
             yield i
 
+    def flush_hbm(self) -> int:
+        """Drop HBM's prefix cache (SGLang's ``/flush_cache``): the next requests start cold on the GPU
+        and find their prefixes in the storage under test, which keeps everything. Pages still pinned
+        (prefetched for a request, or awaiting write-back) stay. Returns the pages dropped."""
+        drop = [key for key in self.hbm if key not in self.pinned]
+        for key in drop:
+            del self.hbm[key]
+        return len(drop)
+
 
 @dataclass(eq=False)
 class _Job:
@@ -690,42 +717,122 @@ class _Job:
 
 
 # ---- HTTP ----------------------------------------------------------------------------------------
-def _usage(emu: Emulator, out: Outcome, completion: int) -> dict[str, Any]:
-    pt = emu.cfg.page_tokens
-    return {
-        "prompt_tokens": out.prompt_tokens, "completion_tokens": completion,
-        "total_tokens": out.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": out.cached_tokens(pt)},
-        "flatcake": {"hit_tokens": {m: p * pt for m, p in out.hit_pages.items()},
-                     "declined_tokens": out.declined_pages * pt, "queue": out.queue, "system": emu.cfg.mode},
-    }  # fmt: skip
+# The OpenAI (``/v1/completions``, ``/v1/models``) and SGLang (``/generate``, ``/flush_cache``, ...)
+# conventions that common clients rely on (``openai``, ``sglang.bench_serving`` with the sglang,
+# sglang-oai and vllm backends, Locust). Prompts are text or token ids; text is tokenized by the rule in
+# flatcake.loadgen.tokens (4 characters a token), which the load generator shares. The output is
+# synthetic: token i is the 4 characters " tNN" (NN = i mod 100), one token under the same rule.
+# A parameter is served, accepted as a no-op (sampling parameters: they choose among a model's tokens,
+# and there is no model), or refused with a 400 that names it: never silently ignored.
+MODEL_NAME = "flatcake-emulator"
+HTTP: web.AppKey[_Http] = web.AppKey("http")
+MAX_BATCH = 256  # prompts in one request
+MAX_N = 128  # choices per prompt
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+
+# Accepted and changing nothing: they shape sampling, and the output is synthetic.
+_SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                       "repetition_penalty", "ignore_eos", "logit_bias", "user"})  # fmt: skip
+# Accepted only at their "off" value (a non-default value would ask for something not served).
+_OAI_OFF: dict[str, tuple[object, ...]] = {
+    "logprobs": (None,), "echo": (None, False), "suffix": (None, ""), "lora_path": (None,), "image_data": (None,),
+}  # fmt: skip
+_OAI_SERVED = frozenset({"model", "prompt", "max_tokens", "min_tokens", "stream", "stream_options", "n", "best_of",
+                         "stop", "return_cached_tokens_details"})  # fmt: skip
+_GEN_OFF: dict[str, tuple[object, ...]] = {
+    "return_logprob": (None, False), "top_logprobs_num": (None, 0), "token_ids_logprob": (None,),
+    "lora_path": (None,), "return_routed_experts": (None, False), "return_hidden_states": (None, False),
+    "image_data": (None,), "custom_logit_processor": (None,),
+}  # fmt: skip
+# logprob_start_len and return_text_in_logprobs only matter with return_logprob, which is refused.
+_GEN_SERVED = frozenset({"text", "input_ids", "sampling_params", "stream", "rid", "logprob_start_len",
+                         "return_text_in_logprobs"})  # fmt: skip
+_SP_OFF: dict[str, tuple[object, ...]] = {
+    "n": (None, 1), "stop_token_ids": (None, ()), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
+    "structural_tag": (None,),
+}  # fmt: skip
+_SP_SERVED = frozenset({"max_new_tokens", "min_new_tokens", "stop", "skip_special_tokens",
+                        "spaces_between_special_tokens", "no_stop_trim", "sampling_seed"})  # fmt: skip
 
 
-def _bad_request(message: str) -> web.HTTPBadRequest:
-    return web.HTTPBadRequest(text=json.dumps({"error": {"message": message}}), content_type="application/json")
+@dataclass
+class _Http:
+    """The HTTP side's own state: requests being answered (``/flush_cache`` refuses while any are)."""
+
+    inflight: int = 0
 
 
-def _prompt(value: Any, field_name: str) -> list[int]:
-    if isinstance(value, list) and value and isinstance(value[0], list):
-        value = value[0]  # OpenAI allows a batch of prompts; one is served
-    if isinstance(value, str):  # no tokenizer here: one token per byte
-        return list(value.encode())
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise _bad_request(f"{field_name}: token ids (list of int) or a string")
-    return value
+def output_token(i: int) -> str:
+    """The ``i``-th synthetic output token: 4 characters, so one token under the tokenization rule."""
+    return f" t{i % 100:02d}"
+
+
+def _bad_request(message: str, param: str | None = None) -> web.HTTPBadRequest:
+    error = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    return web.HTTPBadRequest(text=json.dumps({"error": error}), content_type="application/json")
+
+
+def _same(value: object, allowed: tuple[object, ...]) -> bool:
+    # Type-aware: 0 is not False (logprobs=0 asks for logprobs), () stands for any empty list.
+    return any(
+        value is a or (type(value) is type(a) and value == a) or (a == () and isinstance(value, list) and not value)
+        for a in allowed
+    )
+
+
+def _check_params(
+    body: dict[str, Any], served: frozenset[str], off: dict[str, tuple[object, ...]], prefix: str = ""
+) -> None:
+    unknown = sorted(set(body) - served - _SAMPLING - set(off))
+    if unknown:
+        names = ", ".join(prefix + u for u in unknown)
+        raise _bad_request(f"{names}: not supported by the emulator (docs/benchmarks.md lists what is)", unknown[0])
+    for name, allowed in off.items():
+        if name in body and not _same(body[name], allowed):
+            shown = " or ".join("[]" if a == () else json.dumps(a) for a in allowed)
+            raise _bad_request(
+                f"{prefix}{name}: {json.dumps(body[name])} is not supported by the emulator (its output is "
+                f"synthetic); leave it unset or {shown}",
+                prefix + name,
+            )
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(value: Any, name: str) -> tuple[list[list[int]], bool]:
+    """The token ids of each prompt, and whether the request was a batch. Text is tokenized by the
+    shared rule (flatcake.loadgen.tokens)."""
+    if isinstance(value, str):
+        return [tokens.encode(value)], False
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            batch = [tokens.encode(v) for v in value]
+        elif all(isinstance(v, list) for v in value):
+            if not all(_token_ids(v) and v for v in value):
+                raise _bad_request(f"{name}: each prompt of a batch must be non-empty token ids (list of int)", name)
+            batch = list(value)
+        elif _token_ids(value):
+            return [list(value)], False
+        else:
+            batch = []
+        if batch:
+            if len(batch) > MAX_BATCH:
+                raise _bad_request(f"{name}: {len(batch)} prompts; at most {MAX_BATCH} in one request", name)
+            return batch, True
+    raise _bad_request(
+        f"{name}: a string, a list of strings, token ids (list of int) or a list of token-id lists", name
+    )
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
     except json.JSONDecodeError:
-        raise web.HTTPBadRequest(
-            text='{"error": {"message": "body is not JSON"}}', content_type="application/json"
-        ) from None
+        raise _bad_request("body is not JSON") from None
     if not isinstance(body, dict):
-        raise web.HTTPBadRequest(
-            text='{"error": {"message": "body must be an object"}}', content_type="application/json"
-        )
+        raise _bad_request("body must be an object")
     return body
 
 
@@ -735,7 +842,7 @@ def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise _bad_request(f"{name}: an object, got {type(value).__name__}")
+        raise _bad_request(f"{name}: an object, got {type(value).__name__}", name)
     return value
 
 
@@ -744,86 +851,302 @@ def _flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _bad_request(f"{name}: true or false, got {type(value).__name__}")
+        raise _bad_request(f"{name}: true or false, got {type(value).__name__}", name)
     return value
 
 
-def _max_tokens(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value > 65536:
-        raise _bad_request("max_tokens: an integer in 1..65536")
+def _int(value: Any, name: str, default: int, hi: int) -> int:
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value > hi:
+        raise _bad_request(f"{name}: an integer in 1..{hi}", name)
     return value
+
+
+def _stops(value: Any, name: str) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+        raise _bad_request(f"{name}: a non-empty string or a list of at most {MAX_STOPS} of them", name)
+    return stops
+
+
+@dataclass
+class _Event:
+    """One prompt's generation step: new text (every choice of the prompt has the same), the tokens so
+    far, and the finish reason on its last step (``length``, or ``stop`` with the stop string)."""
+
+    prompt: int
+    outcome: Outcome
+    delta: str
+    tokens: int
+    finish: str | None = None
+    matched: str | None = None
+
+
+class _Cut:
+    """The synthetic output cut at a stop string (its text excluded, as OpenAI and SGLang do) or at the
+    token limit; text that may still begin a stop string is held back until it cannot."""
+
+    def __init__(self, limit: int, stops: list[str]) -> None:
+        self.limit, self.stops = limit, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text, self.sent, self.tokens = "", 0, 0
+        self.finish: str | None = None
+        self.matched: str | None = None
+
+    def step(self) -> str:
+        """Generate one token; returns the text that may be sent now."""
+        self.text += output_token(self.tokens)
+        self.tokens += 1
+        hits = [(self.text.find(s), s) for s in self.stops if s in self.text]
+        if hits:
+            at, self.matched = min(hits)
+            self.finish, end = "stop", at
+        elif self.tokens >= self.limit:
+            self.finish, end = "length", len(self.text)
+        else:
+            end = max(self.sent, len(self.text) - self.hold)
+        delta, self.sent = self.text[self.sent : end], end
+        return delta
+
+
+async def _run_prompt(
+    emu: Emulator, index: int, prompt: list[int], limit: int, stops: list[str], queue: asyncio.Queue[Any]
+) -> None:
+    """Prefill one prompt, then decode it: the first token at once, then one per decode step."""
+    try:
+        out = await emu.prefill(prompt)
+        cut = _Cut(limit, stops)
+        delta = cut.step()
+        queue.put_nowait(_Event(index, out, delta, cut.tokens, cut.finish, cut.matched))
+        if cut.finish is None:
+            async for _ in emu.decode(limit - 1):
+                delta = cut.step()
+                if delta or cut.finish:
+                    queue.put_nowait(_Event(index, out, delta, cut.tokens, cut.finish, cut.matched))
+                if cut.finish:
+                    break
+    except Exception as exc:  # the handler re-raises it: a prompt's failure fails the request
+        queue.put_nowait(exc)
+
+
+async def _events(emu: Emulator, prompts: list[list[int]], limit: int, stops: list[str]) -> AsyncIterator[_Event]:
+    """Every prompt's steps as they happen (the prompts run concurrently, each through the emulator's
+    scheduler, as a serving engine runs a batch's prompts)."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    tasks = [asyncio.create_task(_run_prompt(emu, i, p, limit, stops, queue)) for i, p in enumerate(prompts)]
+    try:
+        left = len(prompts)
+        while left:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            left -= item.finish is not None
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _hits(emu: Emulator, outs: Sequence[Outcome]) -> dict[str, int]:
+    pt = emu.cfg.page_tokens
+    return {m: sum(o.hit_pages[m] for o in outs) * pt for m in ("hbm", "dram", "ssd")}
+
+
+def _details(emu: Emulator, outs: Sequence[Outcome]) -> dict[str, int]:
+    """SGLang's ``cached_tokens_details``: device (HBM), host (DRAM) and storage (SSD) tokens."""
+    hits = _hits(emu, outs)
+    return {"device": hits["hbm"], "host": hits["dram"], "storage": hits["ssd"]}
+
+
+def _usage(emu: Emulator, outs: Sequence[Outcome], completion: int) -> dict[str, Any]:
+    pt = emu.cfg.page_tokens
+    prompt = sum(o.prompt_tokens for o in outs)
+    queues = [o.queue for o in outs]
+    return {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens(pt) for o in outs)},
+        "flatcake": {"hit_tokens": _hits(emu, outs), "declined_tokens": sum(o.declined_pages for o in outs) * pt,
+                     "queue": queues[0] if len(queues) == 1 else queues, "system": emu.cfg.mode},
+    }  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def _answering(request: web.Request) -> AsyncIterator[Emulator]:
+    state = request.app[HTTP]
+    state.inflight += 1
+    try:
+        yield request.app[EMULATOR]
+    finally:
+        state.inflight -= 1
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+async def _stream_response(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    """OpenAI ``POST /v1/completions`` (token-id prompts; ``stream`` with server-sent events)."""
-    emu: Emulator = request.app[EMULATOR]
+    """OpenAI ``POST /v1/completions``: text or token-id prompts, batches, ``n``, ``stop``, ``stream``
+    (the usage chunk with ``choices: []`` only when ``stream_options.include_usage`` asks for it)."""
     body = await _body(request)
-    tokens = _prompt(body.get("prompt"), "prompt")
-    n = _max_tokens(body.get("max_tokens", 16))
+    _check_params(body, _OAI_SERVED, _OAI_OFF)
+    prompts, _ = _prompts(body.get("prompt"), "prompt")
+    limit = _int(body.get("max_tokens"), "max_tokens", 16, 65536)
+    n = _int(body.get("n"), "n", 1, MAX_N)
+    if body.get("best_of") is not None and _int(body["best_of"], "best_of", 1, MAX_N) != n:
+        raise _bad_request("best_of: only best_of = n is served (the emulator does not rank choices)", "best_of")
+    stops = _stops(body.get("stop"), "stop")
     stream = _flag(body, "stream")
-    include = _flag(_object(body, "stream_options"), "include_usage", True)
-    model = str(body.get("model", "flatcake-emulator"))
-    cid, created = f"cmpl-{next(emu._ids)}", int(time.time())
-    out = await emu.prefill(tokens)
+    options = _object(body, "stream_options")
+    if options and not stream:
+        raise _bad_request("stream_options: only allowed when stream is true", "stream_options")
+    _check_params(options, frozenset({"include_usage"}), {}, "stream_options.")
+    include_usage = _flag(options, "include_usage")
+    details = _flag(body, "return_cached_tokens_details")
+    model = str(body.get("model") or MODEL_NAME)
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    outs: dict[int, Outcome] = {}
+    texts = [""] * len(prompts)
+    done: dict[int, _Event] = {}
 
-    def chunk(text: str, finish: str | None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        c: dict[str, Any] = {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-        }
-        if usage is not None:
-            c["usage"] = usage
-        return c
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+                **extra}  # fmt: skip
 
-    if not stream:
-        text = "".join([f" t{i}" async for i in emu.decode(n)])
-        return web.json_response(chunk(text, "length", _usage(emu, out, n)))
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    await resp.write(b"data: " + json.dumps(chunk(" t0", None)).encode() + b"\n\n")
-    async for i in emu.decode(n - 1):
-        await resp.write(b"data: " + json.dumps(chunk(f" t{i + 1}", None)).encode() + b"\n\n")
-    final = chunk("", "length")
-    await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
-    if include:
-        usage = {**chunk("", None), "choices": [], "usage": _usage(emu, out, n)}
-        await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
+    def sglext(ev: _Event) -> dict[str, Any]:
+        return {"sglext": {"cached_tokens_details": _details(emu, [ev.outcome])}} if details else {}
+
+    async with _answering(request) as emu:
+        resp = await _stream_response(request) if stream else None
+        async for ev in _events(emu, prompts, limit, stops):
+            outs[ev.prompt] = ev.outcome
+            texts[ev.prompt] += ev.delta
+            if ev.finish is not None:
+                done[ev.prompt] = ev
+            if resp is not None:
+                choices = [{"index": ev.prompt * n + j, "text": ev.delta, "logprobs": None,
+                            "finish_reason": ev.finish} for j in range(n)]  # fmt: skip
+                await resp.write(_sse(chunk(choices, **(sglext(ev) if ev.finish else {}))))
+        ordered = [outs[i] for i in range(len(prompts))]
+        completion = n * sum(done[i].tokens for i in range(len(prompts)))
+        usage = _usage(emu, ordered, completion)
+        if resp is None:
+            choices = [{"index": i * n + j, "text": texts[i], "logprobs": None, "finish_reason": done[i].finish}
+                       for i in range(len(prompts)) for j in range(n)]  # fmt: skip
+            extra = {"sglext": {"cached_tokens_details": _details(emu, ordered)}} if details else {}
+            return web.json_response(chunk(choices, usage=usage, **extra))
+        if include_usage:
+            await resp.write(_sse(chunk([], usage=usage)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    """SGLang-style ``POST /generate`` with ``input_ids`` and ``sampling_params.max_new_tokens``."""
-    emu: Emulator = request.app[EMULATOR]
+    """SGLang ``POST /generate``: ``text`` or ``input_ids`` (one prompt or a batch), ``sampling_params``
+    (``max_new_tokens``, ``stop``), ``stream`` (cumulative text per event, as SGLang streams)."""
     body = await _body(request)
-    tokens = _prompt(body.get("input_ids"), "input_ids")
-    n = _max_tokens(_object(body, "sampling_params").get("max_new_tokens", 16))
+    _check_params(body, _GEN_SERVED, _GEN_OFF)
+    if ("text" in body) == ("input_ids" in body):
+        raise _bad_request("text or input_ids: give exactly one of them", "input_ids")
+    name = "text" if "text" in body else "input_ids"
+    if name == "text" and not (isinstance(body["text"], str) or _strings(body["text"])):
+        raise _bad_request("text: a string or a list of strings (token ids go in input_ids)", "text")
+    if name == "input_ids" and (isinstance(body["input_ids"], str) or _strings(body["input_ids"])):
+        raise _bad_request("input_ids: token ids (list of int) or a list of them (text goes in text)", "input_ids")
+    prompts, batched = _prompts(body[name], name)
+    sp = _object(body, "sampling_params")
+    _check_params(sp, _SP_SERVED, _SP_OFF, "sampling_params.")
+    limit = _int(sp.get("max_new_tokens"), "sampling_params.max_new_tokens", 128, 65536)
+    stops = _stops(sp.get("stop"), "sampling_params.stop")
     stream = _flag(body, "stream")
-    out = await emu.prefill(tokens)
+    rids = body.get("rid")
+    outs: dict[int, Outcome] = {}
+    texts = [""] * len(prompts)
+    done: dict[int, _Event] = {}
 
-    def meta(done: int) -> dict[str, Any]:
-        u = _usage(emu, out, done)
-        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": done,
-                "cached_tokens": u["prompt_tokens_details"]["cached_tokens"], "flatcake": u["flatcake"],
-                "finish_reason": {"type": "length", "length": n} if done == n else None}  # fmt: skip
+    def result(ev: _Event) -> dict[str, Any]:
+        rid = rids[ev.prompt] if isinstance(rids, list) and ev.prompt < len(rids) else rids
+        u = _usage(emu, [ev.outcome], ev.tokens)
+        finish = None
+        if ev.finish == "length":
+            finish = {"type": "length", "length": ev.tokens}
+        elif ev.finish == "stop":
+            finish = {"type": "stop", "matched": ev.matched}
+        meta = {"id": str(rid) if rid is not None else f"{ev.prompt}-{cid}", "finish_reason": finish,
+                "prompt_tokens": ev.outcome.prompt_tokens, "completion_tokens": ev.tokens,
+                "cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                "cached_tokens_details": _details(emu, [ev.outcome]), "flatcake": u["flatcake"]}  # fmt: skip
+        out: dict[str, Any] = {"text": texts[ev.prompt], "meta_info": meta}
+        if batched and stream:
+            out["index"] = ev.prompt
+        return out
 
-    if not stream:
-        text = "".join([f" t{i}" async for i in emu.decode(n)])
-        return web.json_response({"text": text, "meta_info": meta(n)})
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    text = " t0"
-    await resp.write(b"data: " + json.dumps({"text": text, "meta_info": meta(1)}).encode() + b"\n\n")
-    async for i in emu.decode(n - 1):
-        text += f" t{i + 1}"
-        await resp.write(b"data: " + json.dumps({"text": text, "meta_info": meta(i + 2)}).encode() + b"\n\n")
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
+    cid = uuid.uuid4().hex
+    async with _answering(request) as emu:
+        resp = await _stream_response(request) if stream else None
+        async for ev in _events(emu, prompts, limit, stops):
+            outs[ev.prompt] = ev.outcome
+            texts[ev.prompt] += ev.delta
+            if ev.finish is not None:
+                done[ev.prompt] = ev
+            if resp is not None:
+                await resp.write(_sse(result(ev)))
+        if resp is None:
+            results = [result(done[i]) for i in range(len(prompts))]
+            return web.json_response(results if batched else results[0])
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+
+
+async def models(request: web.Request) -> web.Response:
+    """OpenAI ``GET /v1/models``: the one model served (any ``model`` in a request is answered)."""
+    cfg = request.app[EMULATOR].cfg
+    name = cfg.model or MODEL_NAME
+    return web.json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": int(time.time()), "owned_by": "flatcake", "root": name},
+    ]})  # fmt: skip
+
+
+async def model_info(request: web.Request) -> web.Response:
+    """SGLang ``GET /get_model_info`` (and ``/model_info``). No tokenizer ships: text is tokenized by
+    the 4-characters rule, so ``tokenizer_path`` is null and clients that need one bring their own."""
+    cfg = request.app[EMULATOR].cfg
+    return web.json_response({"model_path": cfg.model or MODEL_NAME, "tokenizer_path": None, "is_generation": True,
+                              "preferred_sampling_params": None, "weight_version": "default",
+                              "has_image_understanding": False, "has_audio_understanding": False,
+                              "model_type": None, "architectures": None,
+                              "tokenization": f"{tokens.CHARS_PER_TOKEN} characters per token"})  # fmt: skip
+
+
+async def server_info(request: web.Request) -> web.Response:
+    """SGLang ``GET /server_info``: the emulator's configuration (bench_serving records it)."""
+    cfg = request.app[EMULATOR].cfg
+    return web.json_response({"flatcake_emulator": dataclasses.asdict(cfg), "internal_states": [{}],
+                              "version": flatcake.__version__})  # fmt: skip
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """SGLang ``/flush_cache`` (vLLM: ``/reset_prefix_cache``): empties HBM's prefix cache, not the
+    storage under test. Refused while requests are being answered, as SGLang refuses."""
+    if request.app[HTTP].inflight:
+        return web.Response(status=400, text="Cache not flushed. (When there are running or waiting requests, "
+                                             "the operation will not be performed.)\n")  # fmt: skip
+    pages = request.app[EMULATOR].flush_hbm()
+    return web.Response(text=f"Cache flushed. ({pages} HBM pages dropped; the storage under test keeps its pages)\n")
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
@@ -835,15 +1158,27 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
 
-def make_app(cfg: EmulatorConfig) -> web.Application:
+def make_app(cfg: EmulatorConfig, emulator: Emulator | None = None) -> web.Application:
+    """The HTTP app. ``emulator``: one already made (``serve`` makes it after binding); else the app
+    makes its own at startup."""
     app = web.Application(client_max_size=64 * MiB)
+    app[HTTP] = _Http()
     app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
     app.router.add_post("/generate", generate)
+    for path in ("/get_model_info", "/model_info"):
+        app.router.add_get(path, model_info)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, server_info)
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        app.router.add_post(path, flush_cache)
+    app.router.add_get("/flush_cache", flush_cache)
     app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/healthz", health)
+    for path in ("/health", "/healthz", "/health_generate"):
+        app.router.add_get(path, health)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        app[EMULATOR] = Emulator(cfg)
+        app[EMULATOR] = emulator if emulator is not None else Emulator(cfg)
         await app[EMULATOR].start()
         yield
         await app[EMULATOR].stop()
@@ -852,7 +1187,52 @@ def make_app(cfg: EmulatorConfig) -> web.Application:
     return app
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before any pool is made: a bad address costs nothing."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port: {port} is not a TCP port (0..65535; 0 picks a free one)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError):
+        raise ConfigError(
+            f"--host: {host!r} is neither an IP address nor a name this machine resolves "
+            "(e.g. 127.0.0.1, ::1, or 0.0.0.0 for every interface)"
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--host/--port: cannot listen on {host}:{port} ({exc.strerror}); pick another "
+                          "port (0 picks a free one) or stop what holds it") from None  # fmt: skip
+    return sock
+
+
+def create(cfg: EmulatorConfig) -> Emulator:
+    """The emulator and its pools; if making them fails, the directories this call created go too
+    (a failed start leaves no pool files behind)."""
+    root = Path(cfg.data_dir)
+    made = next((d for d in (root, root / cfg.mode) if not d.exists()), None)
+    try:
+        return Emulator(cfg)
+    except BaseException:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
 def serve(cfg: EmulatorConfig, host: str, port: int) -> None:
+    """Bind, then make the pools, then serve until interrupted."""
+    sock = bind(host, port)
     if host not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
         log.warning("emulator listening on %s", host)
-    web.run_app(make_app(cfg), host=host, port=port, print=lambda m: log.warning("%s", m))
+    try:
+        emulator = create(cfg)
+    except BaseException:
+        sock.close()
+        raise
+    web.run_app(make_app(cfg, emulator), sock=sock, print=lambda m: log.warning("%s", m))

@@ -15,9 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from flatcake.loadgen.tokens import VOCAB, decode
 from flatcake.loadgen.traces.formats import TraceRequest
-
-VOCAB = 50_000
 
 
 def block_tokens(hash_id: int, n: int) -> list[int]:
@@ -71,12 +70,16 @@ class Record:
         return json.dumps(asdict(self))
 
 
-def body(api: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
+def body(api: str, tokens: list[int], max_tokens: int, text: bool = False) -> dict[str, Any]:
+    """The request for ``tokens``; ``text``: sent as text under the shared tokenization rule
+    (flatcake.loadgen.tokens: the emulator counts and caches it as exactly these token ids)."""
+    prompt: str | list[int] = decode(tokens) if text else tokens
     if api == "openai":
-        return {"model": "flatcake", "prompt": tokens, "max_tokens": max_tokens, "stream": True,
+        return {"model": "flatcake", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
     if api == "sglang":
-        return {"input_ids": tokens, "sampling_params": {"max_new_tokens": max_tokens}, "stream": True}
+        return {"text" if text else "input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens},
+                "stream": True}  # fmt: skip
     raise ValueError(f"api: {api!r} must be 'openai' or 'sglang'")
 
 

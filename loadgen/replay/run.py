@@ -32,6 +32,7 @@ class LoadgenConfig:
     limit: int | None = None
     api: str = "openai"
     max_output: int = 16
+    prompt_format: str = "ids"  # ids | text (the shared 4-characters-a-token rule)
     users: int = 64
     role: str = "local"  # local | master | worker
     master_host: str = "127.0.0.1"
@@ -41,9 +42,24 @@ class LoadgenConfig:
     metrics_port: int = 0  # serve the load generator's Prometheus metrics (on loopback, worker i: port + i)
     metrics_host: str = "127.0.0.1"
     margin_s: float = 120.0
+    html: str | None = None  # Locust's HTML report
+    progress_s: float = 10.0  # a progress line per interval on stderr (0: none)
+    locust_args: tuple[str, ...] = ()  # Locust's own flags, passed through last (they win)
+
+
+def check_url(url: str) -> None:
+    """``--host`` is a base URL: scheme, host and optional port (what Locust's --host takes)."""
+    parsed = urlparse(url)
+    try:
+        parsed.port  # noqa: B018 - raises on a port that is not a number in 0..65535
+    except ValueError:
+        parsed = parsed._replace(netloc="")
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"host: {url!r} is not a base URL; expected http://HOST:PORT, e.g. http://127.0.0.1:8000")
 
 
 def check_loopback(url: str) -> None:
+    check_url(url)
     host = urlparse(url).hostname or ""
     try:
         addrs = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
@@ -60,6 +76,7 @@ def command(cfg: LoadgenConfig) -> list[str]:
     exe = Path(sys.executable).parent / "locust"
     cmd = [str(exe), "-f", str(LOCUSTFILE), "--headless", "--host", cfg.host, "--only-summary",
            "--trace", cfg.trace, "--qps", str(cfg.qps), "--api", cfg.api, "--max-output", str(cfg.max_output),
+           "--prompt-format", cfg.prompt_format,
            "--results", cfg.results, "--system", cfg.system, "--replay-workers", str(cfg.workers),
            "--run-time", f"{int(span + cfg.margin_s)}s", "--stop-timeout", "60"]  # fmt: skip
     if cfg.limit:
@@ -70,14 +87,18 @@ def command(cfg: LoadgenConfig) -> list[str]:
         cmd += ["-u", str(cfg.users), "-r", str(cfg.users)]
     if cfg.csv_prefix and cfg.role != "worker":
         cmd += ["--csv", cfg.csv_prefix]
+    if cfg.html and cfg.role != "worker":
+        cmd += ["--html", cfg.html]
+    cmd += ["--progress-interval", f"{cfg.progress_s:g}"]
     if cfg.role == "master":
         cmd += ["--master", "--expect-workers", str(cfg.workers), "--master-bind-port", str(cfg.master_port)]
     elif cfg.role == "worker":
         cmd += ["--worker", "--master-host", cfg.master_host, "--master-port", str(cfg.master_port)]
-    return cmd
+    return cmd + list(cfg.locust_args)
 
 
 def run(cfg: LoadgenConfig, quiet: bool = True) -> int:
+    check_url(cfg.host)
     if not cfg.allow_remote:
         check_loopback(cfg.host)
     if cfg.qps <= 0:

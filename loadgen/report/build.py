@@ -183,6 +183,19 @@ def verdicts(systems: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def ideal_text(meta: dict[str, Any]) -> str:
+    """The trace's ideal hit rate as the runs' metadata gives it; "unknown" where it gives none (a
+    report of runs made elsewhere has no meta.json), never a made-up 0%."""
+    parts = []
+    if meta.get("ideal_hit_rate_tokens") is not None:
+        parts.append(f"{100 * meta['ideal_hit_rate_tokens']:.1f}% by tokens (hash blocks)")
+    if meta.get("ideal_hit_rate_pages") is not None:
+        pages = meta.get("page_tokens")
+        size = f"{pages}-token pages" if pages else "pages of unrecorded size"
+        parts.append(f"{100 * meta['ideal_hit_rate_pages']:.1f}% with {size}")
+    return ", ".join(parts) if parts else "unknown (no trace metadata with these runs)"
+
+
 def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
     plt = plots.pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -217,8 +230,9 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
         spread(ax, s, "delivered_hit_rate", 100)
     ideal = report["meta"].get("ideal_hit_rate_pages")
     if ideal is not None:
-        pages = report["meta"].get("page_tokens", 256)
-        ax.axhline(ideal * 100, linestyle="--", color="gray", label=f"trace ideal ({pages}-token pages)")
+        pages = report["meta"].get("page_tokens")
+        ax.axhline(ideal * 100, linestyle="--", color="gray",
+                   label=f"trace ideal ({pages}-token pages)" if pages else "trace ideal (pages)")  # fmt: skip
     ax.set_ylim(0, 100)
     plots.label(ax, "QPS", "delivered hit rate (%)", "delivered hit rate", legend=True)
     save(fig, "hit_rate.png")
@@ -250,6 +264,7 @@ def write(runs_dir: str | Path, out_dir: str | Path | None = None, context: str 
     out = Path(out_dir or runs_dir)
     out.mkdir(parents=True, exist_ok=True)
     report["plots"] = plot(report, out)
+    report["ideal_text"] = ideal_text(report["meta"])
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "report.md").write_text(_TEMPLATES.get_template("report.md.j2").render(**report))
     (out / "report.html").write_text(_TEMPLATES.get_template("report.html.j2").render(**report))
@@ -270,9 +285,7 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{100 * c['dram']:>5.1f} {100 * c['ssd']:>5.1f} {r['throughput_tokens_per_s']:>8.0f}"
                 f"  {'SATURATED' if r['saturated'] else ''}"
             )
-    ideal = report["meta"].get("ideal_hit_rate_pages")
-    if ideal is not None:
-        lines.append(f"trace ideal with {report['meta'].get('page_tokens', 256)}-token pages: {100 * ideal:.1f}%")
+    lines.append(f"trace ideal: {ideal_text(report['meta'])}")
     lines += report.get("verdicts", [])
     for name, runs in report["systems"].items():
         for r in sorted(runs.values(), key=lambda r: r["qps"]):

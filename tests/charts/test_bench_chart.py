@@ -4,6 +4,7 @@ here: the Locust master Job and two workers as separate processes on loopback ag
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import socket
 import subprocess
@@ -238,6 +239,9 @@ def test_master_and_two_workers_run_the_charts_command_lines(tmp_path: Path) -> 
         ]
         assert len(records) == 12 and {r["index"] for r in records} == want  # the trace slice, each once
         assert all(r["ok"] for r in records)
+        # Locust's final CSV holds every request, once (the master waits for the workers' last report).
+        stats = results / "emulated" / f"qps-{qps}" / "locust_stats.csv"
+        assert int({row["Name"]: row for row in csv.DictReader(stats.open())}["Aggregated"]["Request Count"]) == 12
     report = json.loads((results / "report.json").read_text())
     assert report["meta"]["context"] == "staging-test/bench" and set(report["systems"]) == {"emulated"}
     assert {p["requests"] for p in report["systems"]["emulated"].values()} == {12}

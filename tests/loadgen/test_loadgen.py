@@ -42,7 +42,7 @@ def test_an_openai_client_streams_from_the_emulator(emulator: Server) -> None:
         chunks = list(stream)
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         usage = next(c.usage for c in chunks if c.usage)
-        assert text.split() == ["t0", "t1", "t2", "t3"]
+        assert text.split() == ["t00", "t01", "t02", "t03"]
         assert usage.prompt_tokens == 2000 and usage.completion_tokens == 4
         seen.append(usage.prompt_tokens_details.cached_tokens)  # type: ignore[union-attr]
     assert seen == [0, 1792]  # the second time, all seven full 256-token pages are cached
@@ -64,7 +64,7 @@ def test_generate_and_bad_requests(emulator: Server) -> None:
             return e.code, json.loads(e.read())
 
     status, body = post("/generate", {"input_ids": list(range(600)), "sampling_params": {"max_new_tokens": 3}})
-    assert status == 200 and body["text"].split() == ["t0", "t1", "t2"] and body["meta_info"]["prompt_tokens"] == 600
+    assert status == 200 and body["text"].split() == ["t00", "t01", "t02"] and body["meta_info"]["prompt_tokens"] == 600
     assert post("/v1/completions", {"prompt": [1.5]})[0] == 400
     status, body = post("/v1/completions", {"prompt": [1, 2], "max_tokens": 0})
     assert status == 400 and "max_tokens" in body["error"]["message"]
@@ -78,8 +78,13 @@ def test_generate_and_bad_requests(emulator: Server) -> None:
             "include_usage",
         ),
         ("/generate", {"input_ids": [1, 2], "sampling_params": "fast"}, "sampling_params"),
-        ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "3"}}, "max_tokens"),
-        ("/generate", {"input_ids": "abc", "stream": 1}, "stream"),
+        (
+            "/generate",
+            {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "3"}},
+            "sampling_params.max_new_tokens",
+        ),
+        ("/generate", {"input_ids": [1], "stream": 1}, "stream"),
+        ("/generate", {"input_ids": "abc"}, "input_ids"),
     ):
         status, body = post(path, payload)
         assert status == 400 and body["error"]["message"].startswith(field), (path, payload, body)

@@ -46,3 +46,26 @@ def test_repeats_give_spreads_and_overlapping_spreads_are_called_noise() -> None
     hits = next(x for x in lines if "delivered hits" in x)
     assert ttft.startswith("2 QPS, mean TTFT: flatcake 1.10 s") and "tiered 1.15 s (within noise)" in ttft
     assert "flatcake 90.0% vs tiered 60.0%" in hits and "noise" not in hits
+
+
+def test_the_ideal_is_labelled_from_the_data_and_unknown_when_absent() -> None:
+    assert R.ideal_text({}).startswith("unknown")
+    assert R.ideal_text({"ideal_hit_rate_pages": 0.5, "page_tokens": 64}) == "50.0% with 64-token pages"
+    both = R.ideal_text({"ideal_hit_rate_tokens": 0.61, "ideal_hit_rate_pages": 0.58})
+    assert both == "61.0% by tokens (hash blocks), 58.0% with pages of unrecorded size"
+
+
+@pytest.mark.parametrize("page", ["report.md", "report.html"])
+def test_a_report_without_trace_metadata_says_unknown_not_zero(tmp_path: R.Path, page: str) -> None:
+    import json
+
+    for system, ttft in (("a", 0.2), ("b", 0.4)):
+        run = tmp_path / system / "qps-2"
+        run.mkdir(parents=True)
+        (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records([ttft] * 4)))
+    report = R.write(tmp_path)
+    text = (tmp_path / page).read_text()
+    assert "unknown (no trace metadata" in text and "0.0% with" not in text and "256-token" not in text
+    assert report["verdicts"] and report["verdicts"][0] in text  # the verdict opens the page
+    assert text.index(report["verdicts"][0]) < text.index("a</td>" if page.endswith("html") else "| a |")
+    assert "trace ideal: unknown" in R.format_table(report)

@@ -1,0 +1,84 @@
+"""The command line as a new user meets it: defaults in --help, --version, errors as one line (no
+traceback, no half-drawn progress bar), and a bad --host that says what was expected."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import flatcake
+from flatcake import cli
+from flatcake.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+
+def help_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*argv, "--help"])
+    assert exited.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
+def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    text = help_of(["emulate"], capsys)
+    for shown in ("(default: 8000)", "(default: 127.0.0.1)", "(default: flatcake)", "(default: .flatcake-emulator)",
+                  "(default: 16777216)"):  # fmt: skip
+        assert shown in text, shown
+    assert "(default: 64)" in help_of(["loadgen", "run"], capsys)
+    assert "(default: results/e2e)" in help_of(["bench", "e2e"], capsys)
+
+
+def test_the_emulators_help_defaults_are_its_configs() -> None:
+    from flatcake.loadgen.emulator.server import EmulatorConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(EmulatorConfig)}
+    assert {k: fields[k] for k in cli.EMULATOR_DEFAULTS} == cli.EMULATOR_DEFAULTS
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.strip() == f"flatcake {flatcake.__version__}"
+
+
+def test_a_bad_host_says_what_was_expected(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["loadgen", "run", "--host", "127.0.0.1:8000", "--trace", "t.jsonl", "--qps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "flatcake: error: host: '127.0.0.1:8000' is not a base URL; expected http://HOST:PORT, e.g. http://127.0.0.1:8000"
+    )
+
+
+def test_errors_are_one_line_after_a_progress_bar(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    from tqdm import tqdm
+
+    def failing(args: object) -> int:
+        bar = tqdm(total=10, file=sys.stderr)
+        bar.update(3)
+        raise ConfigError("trace: not a trace (give a JSONL file)")
+
+    monkeypatch.setattr(cli, "_trace_stats", failing)
+    assert cli.main(["trace", "stats", "x.jsonl"]) == ConfigError.exit_code
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "flatcake: error: trace: not a trace (give a JSONL file)"  # a line of its own
+    assert "Traceback" not in err
+
+
+def test_an_internal_error_is_one_line_unless_verbose(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(args: object) -> int:
+        raise KeyError("slot")
+
+    monkeypatch.setattr(cli, "_trace_stats", broken)
+    assert cli.main(["trace", "stats", "x.jsonl"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "flatcake: error: KeyError: 'slot' (internal error; run with -v for the traceback)"
+    with pytest.raises(KeyError):
+        cli.main(["-v", "trace", "stats", "x.jsonl"])
