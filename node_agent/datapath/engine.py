@@ -9,6 +9,7 @@ window and scattered into the caller's (non-contiguous) page slots.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -29,8 +30,18 @@ from flatcake.node_agent.datapath.buffers import aligned_empty, is_aligned
 from flatcake.node_agent.datapath.dram_pool import DramPool
 from flatcake.node_agent.datapath.file_pool import PoolManifest, create_pool
 from flatcake.node_agent.datapath.io_backends import IOBackend, PosixDirectIO, select_backend
-from flatcake.node_agent.datapath.restore import Restore, Verifier, WindowPool, cupy_scatter, numpy_scatter
+from flatcake.node_agent.datapath.restore import (
+    Restore,
+    Scatter,
+    StagedVerifier,
+    Verifier,
+    WindowPool,
+    cupy_scatter,
+    numpy_scatter,
+    paged_scatter,
+)
 from flatcake.node_agent.datapath.stats import Stats
+from flatcake.node_agent.datapath.target import PagedTarget
 from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.policy.coalesce import plan_restore
 from flatcake.node_agent.policy.gva import Medium
@@ -61,6 +72,15 @@ def local_table(c: EngineConfig) -> ScopeTable:
         high_watermark=c.ssd.high_watermark,
         low_watermark=c.ssd.low_watermark,
     )
+
+
+def _runs(slots: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """``[a, b)`` index ranges over which ``slots`` counts up by one."""
+    if not len(slots):
+        return []
+    cut = np.flatnonzero(np.diff(slots) != 1) + 1
+    bounds = [0, *cut.tolist(), len(slots)]
+    return list(itertools.pairwise(bounds))
 
 
 class Engine:
@@ -215,7 +235,7 @@ class Engine:
         """The path for one restore, from its destination: a numpy array is host memory; a cupy array or
         any object with ``__cuda_array_interface__`` (a CUDA torch tensor) is device memory, which only
         the kvikio path can fill. Anything else, or device memory without kvikio, is refused by name."""
-        if isinstance(dest, np.ndarray):
+        if isinstance(dest, np.ndarray | PagedTarget):
             return False
         if gpu.is_device_array(dest) or hasattr(dest, "__cuda_array_interface__"):
             if not self.gpu_io:
@@ -234,16 +254,19 @@ class Engine:
         """Restore ``keys`` into ``dest[layer, dest_pages[i]]``; iterate the result for layers in order.
 
         ``dest`` is ``[layers][slots][page_bytes]`` uint8, in host memory (numpy) or, with kvikio, device
-        memory (see ``_on_gpu``); ``dest_pages`` (default ``0..n-1``) names the destination page of each
-        key. Unknown keys are refused before any I/O (ask ``exists`` first); pages that fail to read are
-        reported in ``Restore.missing``.
+        memory (see ``_on_gpu``), or a ``PagedTarget``: host memory in the caller's own layout, written
+        in place (no copy after the restore; checks, when on, run on the bytes as read). ``dest_pages``
+        (default ``0..n-1``) names the destination page of each key. Unknown keys are refused before any
+        I/O (ask ``exists`` first); pages that fail to read are reported in ``Restore.missing``.
         """
         c = self.config
         self._check_keys(keys, "keys")
         on_gpu = self._on_gpu(dest)
         if on_gpu and not gpu.is_device_array(dest):
             dest = gpu.as_device_array(dest)  # a zero-copy cupy view of the caller's device memory
-        pages = self._check_dest(dest, len(keys), dest_pages)
+        paged = isinstance(dest, PagedTarget)
+        checker = self._check_target if paged else self._check_dest
+        pages = checker(dest, len(keys), dest_pages)
         lease = self.catalog.acquire(keys)
         locs = lease.locations
         gvas = np.fromiter((loc.gva for loc in locs), dtype=np.uint64, count=len(locs))
@@ -259,20 +282,37 @@ class Engine:
         dram_src = offsets[~on_ssd] // (c.layers * c.page_bytes)
         dram_dst = dst[~on_ssd]
 
-        def copy_dram(layer: int) -> None:
-            if len(dram_src):  # host to host, or one H2D copy from the pinned pool on the GPU path
-                dest[layer, dram_dst] = (
-                    gpu.to_device(self._dram3[dram_src, layer]) if on_gpu else (self._dram3[dram_src, layer])
-                )
+        dram3 = self._dram3
+        runs = _runs(dram_src) if paged else []
 
-        verify = None
+        def copy_dram(layer: int) -> None:
+            if not len(dram_src):
+                return
+            if paged:  # runs of consecutive DRAM slots are strided views: pool -> caller's layout, one copy
+                for a, b in runs:
+                    s0 = int(dram_src[a])
+                    dest.write(layer, dram_dst[a:b], dram3[s0 : s0 + b - a, layer])
+                return
+            # host to host, or one H2D copy from the pinned pool on the GPU path
+            dest[layer, dram_dst] = gpu.to_device(dram3[dram_src, layer]) if on_gpu else dram3[dram_src, layer]
+
+        verify: Verifier | None = None
         mode = c.io.verify_reads
         if mode != "off" and lease.checksums and not on_gpu:
             # GPU destinations are not verified here: checking them would copy every page back to the host.
             want = np.asarray(lease.checksums, dtype=np.int64)
             check = np.flatnonzero((on_ssd if mode == "ssd" else np.ones(len(locs), bool)) & (want >= 0))
-            if len(check):
+            if len(check) and paged:
+                dram = dict(zip(dram_dst.tolist(), dram_src.tolist(), strict=True))
+                verify = StagedVerifier(check, dst[check], want[check], c.page_bytes, c.layers, dram,
+                                        lambda slot, layer: dram3[slot, layer])  # fmt: skip
+            elif len(check):
                 verify = Verifier(dest, check, dst[check], want[check])
+        scatter: Scatter
+        if paged:
+            scatter = paged_scatter(dest, c.page_bytes)
+        else:
+            scatter = (cupy_scatter if on_gpu else numpy_scatter)(dest, c.page_bytes)
         self.stats.add("restores")
         self.stats.add("restore_pages_dram", len(dram_src))
         self.stats.add("restore_pages_ssd", len(locs) - len(dram_src))
@@ -283,7 +323,7 @@ class Engine:
             request_index=ssd,
             io=self.io if on_gpu else self.host_io,
             windows=self._gpu_windows() if on_gpu else self.windows,
-            scatter=(cupy_scatter if on_gpu else numpy_scatter)(dest, c.page_bytes),
+            scatter=scatter,
             copy_dram=copy_dram,
             stats=self.stats,
             on_close=lambda: self.catalog.release(lease.id),
@@ -339,6 +379,21 @@ class Engine:
         bad = [p for p in pages if not 0 <= p < dest.shape[1]]
         if bad:
             raise ValueError(f"dest_pages: {bad[:3]} outside 0..{dest.shape[1] - 1} (dest.shape[1])")
+        return pages
+
+    def _check_target(self, dest: PagedTarget, n: int, dest_pages: Sequence[int] | None) -> list[int]:
+        c = self.config
+        if dest.layers != c.layers or dest.raw_bytes > c.page_bytes:
+            raise ValueError(f"dest: a target of {dest.layers} layers x {dest.raw_bytes} bytes; this pool holds "
+                             f"{c.layers} layers x {c.page_bytes} bytes per page")  # fmt: skip
+        pages = list(range(n)) if dest_pages is None else [int(p) for p in dest_pages]
+        if len(pages) != n:
+            raise ValueError(f"dest_pages: {len(pages)} entries for {n} keys; give one destination page per key")
+        bad = [p for p in pages if not 0 <= p < dest.slots]
+        if bad:
+            raise ValueError(f"dest_pages: {bad[:3]} outside 0..{dest.slots - 1} (the target's pages)")
+        if len(set(pages)) != n:  # checks and in-place writes are per destination page
+            raise ValueError("dest_pages: a destination page appears twice; give each key its own page")
         return pages
 
     # ---- state -----------------------------------------------------------------------------------

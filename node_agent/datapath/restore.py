@@ -23,6 +23,7 @@ import numpy.typing as npt
 from flatcake.node_agent.datapath.buffers import aligned_empty
 from flatcake.node_agent.datapath.io_backends import IOBackend
 from flatcake.node_agent.datapath.stats import Stats
+from flatcake.node_agent.datapath.target import PagedTarget
 from flatcake.node_agent.policy.coalesce import Fill
 
 # scatter(layer, slot, src, dst, count): run r copies count[r] pages from byte src[r] of the slot to
@@ -82,6 +83,9 @@ class Verifier:
         self._expected = expected.tolist()
         self._crc = [0] * len(self._index)
 
+    def staged(self, layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
+        """Bytes of a staging slot about to be scattered (see ``StagedVerifier``); checked after landing here."""
+
     def layer(self, layer: int) -> None:
         rows = self._dest[layer]
         crc = self._crc
@@ -95,6 +99,52 @@ class Verifier:
             for i, got, want in zip(self._index, self._crc, self._expected, strict=True)
             if got != want and i not in missing
         }
+
+
+class StagedVerifier(Verifier):
+    """Checks pages as read, not as landed: for a ``PagedTarget``, which keeps no padding past ``raw_bytes``
+    (the published crc32 covers the whole ``page_bytes`` row). SSD pages are hashed from the staging slot
+    just before the scatter, DRAM pages from the DRAM pool (``dram_rows``). A page's layers must arrive in
+    layer order (fills come in layer order, a page's layers in file-offset order); one that does not is
+    failed rather than misjudged."""
+
+    def __init__(self, request_index: Ints, dest_pages: Ints, expected: Ints, page_bytes: int, layers: int,
+                 dram: dict[int, int], dram_rows: Callable[[int, int], Any]) -> None:  # fmt: skip
+        # ``dram``: dest page -> DRAM slot for the checked DRAM pages; ``dram_rows(slot, layer)`` its bytes.
+        self._index = request_index.tolist()
+        self._pages = dest_pages.tolist()
+        self._expected = expected.tolist()
+        self._crc = [0] * len(self._index)
+        self._next = [0] * len(self._index)
+        self._by_page = {p: k for k, p in enumerate(self._pages)}
+        self._page_bytes, self._layers = page_bytes, layers
+        self._dram = [(self._by_page[p], slot) for p, slot in dram.items() if p in self._by_page]
+        self._dram_rows = dram_rows
+        self._bad: set[int] = set()
+
+    def _add(self, k: int, layer: int, row: Any) -> None:
+        if self._next[k] != layer:
+            self._bad.add(k)
+            return
+        self._crc[k] = zlib.crc32(row, self._crc[k])
+        self._next[k] = layer + 1
+
+    def staged(self, layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
+        pb = self._page_bytes
+        for s, d, n in zip(src.tolist(), dst.tolist(), count.tolist(), strict=True):
+            for j in range(n):
+                k = self._by_page.get(d + j)
+                if k is not None:
+                    self._add(k, layer, buf[s + j * pb : s + (j + 1) * pb])
+
+    def layer(self, layer: int) -> None:
+        for k, slot in self._dram:
+            self._add(k, layer, self._dram_rows(slot, layer))
+
+    def failed(self, missing: set[int]) -> set[int]:
+        done = {k for k, n in enumerate(self._next) if n != self._layers} | self._bad
+        return {i for k, (i, got, want) in enumerate(zip(self._index, self._crc, self._expected, strict=True))
+                if (got != want or k in done) and i not in missing}  # fmt: skip
 
 
 class Restore(Iterator[int]):
@@ -256,6 +306,8 @@ class Restore(Iterator[int]):
             brk = np.flatnonzero((np.diff(src) != size) | (np.diff(dst) != 1)) + 1
             first = np.concatenate(([0], brk))
             count = np.diff(np.append(first, len(src)))
+            if self._verify is not None:
+                self._verify.staged(fill.layer + k, buf, src[first], dst[first], count)
             self._scatter(fill.layer + k, buf, src[first], dst[first], count)
 
 
@@ -265,6 +317,16 @@ def numpy_scatter(dest: npt.NDArray[np.uint8], page_bytes: int) -> Scatter:
     def scatter(layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
         for s, d, n in zip(src.tolist(), dst.tolist(), count.tolist(), strict=True):
             dest[layer, d : d + n] = buf[s : s + n * page_bytes].reshape(n, page_bytes)
+
+    return scatter
+
+
+def paged_scatter(target: PagedTarget, page_bytes: int) -> Scatter:
+    """Scatter on the CPU straight into a ``PagedTarget`` (the caller's layout): one row gather per run."""
+
+    def scatter(layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
+        for s, d, n in zip(src.tolist(), dst.tolist(), count.tolist(), strict=True):
+            target.write(layer, np.arange(d, d + n), buf[s : s + n * page_bytes].reshape(n, page_bytes))
 
     return scatter
 

@@ -56,6 +56,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from flatcake.errors import ConfigError, FlatCakeError
 from flatcake.node_agent.datapath.buffers import aligned_empty, round_up
 from flatcake.node_agent.datapath.engine import Engine
+from flatcake.node_agent.datapath.target import PagedTarget
 from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.service.client import connect
 from flatcake.node_agent.sglang.signals import ChainSignals, Run
@@ -132,6 +133,8 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         self.rank_suffix = suffix if not self.is_mla else f"@tp{c.tp_rank}of{c.tp_size}" + suffix
         self.writer = bool(getattr(c, "is_storage_writer", not self.is_mla or c.tp_rank == 0))
         self.engine: Engine | None = None
+        self.target: PagedTarget | None = None  # the host pool as a restore destination (_host_target)
+        self._memory_base = 0
         self.signals = ChainSignals(int(extra.get("signal_capacity", 1 << 16)))
         self.defaults = deployment_hints(extra)
         self.pools: dict[str, Any] = {}  # sidecar host pools by name (register_mem_host_pool_v2)
@@ -154,8 +157,49 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         self.raw_bytes = sample.numel() * sample.element_size() // self.layers
         self.page_bytes = round_up(self.raw_bytes)
         self.engine = connect(self.socket, layers=self.layers, page_bytes=self.page_bytes)
+        self.target = self._host_target(pool)
+        log.info("FlatCake storage: restores %s", "land in the host pool in place" if self.target else
+                 "copy into the host pool (its pages are not views of one CPU buffer)")  # fmt: skip
         log.info("FlatCake storage: %d layers x %d bytes per page (padded to %d), keys%s", self.layers,
                  self.raw_bytes, self.page_bytes, self.suffix or " shared by all ranks")  # fmt: skip
+
+    def _host_target(self, pool: Any) -> PagedTarget | None:
+        """Where each stored page-layer lies in the host pool's own buffer, so restores write there in place.
+
+        Derived from the strides of ``get_data_page(index, flat=False)``, which SGLang's host pools return as a
+        view of ``kv_buffer`` for ``layer_first``, ``page_first`` and ``page_first_direct`` (``pool_host/mha.py``
+        and ``pool_host/mla.py`` ``get_data_page``): the page's layer axis moved first, its other axes in order,
+        is the stored row (``_layer_major``); trailing axes contiguous in memory merge into one piece. Pages
+        whose addresses are not views of one contiguous CPU buffer (a list of buffers, device memory, a pool
+        that copies) keep the copying path (``_place``)."""
+        buf = getattr(pool, "kv_buffer", None)
+        if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
+            return None
+        page = pool.get_data_page(0, flat=False)
+        if not isinstance(page, torch.Tensor) or page.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+            return None
+        memory: npt.NDArray[np.uint8] = buf.view(torch.uint8).reshape(-1).numpy()
+        self._memory_base = int(memory.ctypes.data)
+        moved = page.movedim(self.axis, 0)
+        size = page.element_size()
+        shape, strides = list(moved.shape[1:]), list(moved.stride()[1:])
+        block, i = 1, len(shape)
+        while i and (shape[i - 1] == 1 or strides[i - 1] == block):
+            block *= shape[i - 1]
+            i -= 1
+        offsets = np.zeros(1, np.int64)
+        for n, stride in zip(shape[:i], strides[:i], strict=True):  # outer axes in C order: the row's order
+            offsets = (offsets[:, None] + np.arange(n, dtype=np.int64)[None, :] * stride).reshape(-1)
+        if len(offsets) * block * size != self.raw_bytes:
+            return None
+        return PagedTarget(memory, self.layers, [], moved.stride(0) * size, offsets * size, block * size)
+
+    def _target_for(self, pool: Any, starts: Sequence[int]) -> PagedTarget:
+        """The host target for pages at token indexes ``starts`` (each page's address asked of the pool)."""
+        t = self.target
+        assert t is not None
+        offsets = [pool.get_data_page(s, flat=False).data_ptr() - self._memory_base for s in starts]
+        return PagedTarget(t.memory, t.layers, offsets, t.layer_stride, t.piece_offsets, t.piece_bytes)
 
     def _engine(self) -> Engine:
         if self.engine is None:
@@ -242,21 +286,26 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         return True
 
     def _get(self, keys: list[str], names: list[str] | None = None) -> tuple[npt.NDArray[np.uint8], list[bool]]:
-        """Restore the stored prefix of ``names`` (default: the KV names of ``keys``); ok[i] says whether
-        entry i's bytes arrived."""
-        engine = self._engine()
+        """Restore the stored prefix of ``names`` (default: the KV names of ``keys``) into a fresh
+        ``[layers][entries][page_bytes]`` buffer; ok[i] says whether entry i's bytes arrived."""
         names = self._keys(keys) if names is None else names
         dest = np.empty((self.layers, max(len(names), 1), self.page_bytes), np.uint8)
+        return dest, self._restore(names, lambda hit: dest)
+
+    def _restore(self, names: list[str], dest_for: Any) -> list[bool]:
+        """Restore the stored prefix of ``names`` into ``dest_for(hit)`` (its first ``hit`` pages); ok[i]
+        says whether entry i's bytes arrived."""
+        engine = self._engine()
         try:
             hit = engine.exists(names)
             if hit == 0:
-                return dest, [False] * len(names)
-            with engine.get(names[:hit], dest) as restore:
+                return [False] * len(names)
+            with engine.get(names[:hit], dest_for(hit)) as restore:
                 missing = restore.run()
         except STORAGE_FAULTS as exc:
             log.warning("FlatCake storage: get of %d pages failed: %s", len(names), exc)
-            return dest, [False] * len(names)
-        return dest, [i < hit and i not in missing for i in range(len(names))]
+            return [False] * len(names)
+        return [i < hit and i not in missing for i in range(len(names))]
 
     # ---- zero-copy v1 interface (extra_config interface_v1) ----------------------------------------
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -270,6 +319,9 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:  # fmt: skip
         pool = self.mem_pool_host
         self._observe(keys, extra_info)
+        if self.target is not None:  # zero-copy: the restore's scatter writes the host pool's pages in place
+            starts = [int(s) for s in host_indices[:: self.page_tokens].tolist()]
+            return self._restore(self._keys(keys), lambda hit: self._target_for(pool, starts[:hit]))
         dest, ok = self._get(keys)
         for j, start in enumerate(host_indices[:: self.page_tokens].tolist()):
             if ok[j]:

@@ -2,7 +2,8 @@
 
 SGLang's host KV pools cannot be built here (they pull in transformers, torchvision and a device
 pool), so ``HostPool`` below reproduces their page layouts as SGLang 0.5.23 defines them
-(``pool_host/mha.py`` and ``pool_host/mla.py``: ``kv_buffer`` shapes, ``get_data_page``,
+(``pool_host/mha.py`` and ``pool_host/mla.py``: ``kv_buffer`` shapes for ``layer_first``, ``page_first``
+and ``page_first_direct``, ``get_data_page``,
 ``set_from_flat_data_page``). Everything else is SGLang's own code.
 """
 
@@ -32,14 +33,19 @@ class HostPool:
         self.layout, self.page_size, self.layer_num, self.dtype = layout, PAGE, LAYERS, torch.bfloat16
         size = PAGES * PAGE
         if mla:
-            dims = (LAYERS, size, 1, MLA_DIM) if layout == "layer_first" else (size, LAYERS, 1, MLA_DIM)
+            dims = {"layer_first": (LAYERS, size, 1, MLA_DIM), "page_first": (size, LAYERS, 1, MLA_DIM),
+                    "page_first_direct": (PAGES, LAYERS, PAGE, 1, MLA_DIM)}[layout]  # fmt: skip
         else:
-            dims = (2, LAYERS, size, HEADS, DIM) if layout == "layer_first" else (2, size, LAYERS, HEADS, DIM)
+            dims = {"layer_first": (2, LAYERS, size, HEADS, DIM), "page_first": (2, size, LAYERS, HEADS, DIM),
+                    "page_first_direct": (2, PAGES, LAYERS, PAGE, HEADS, DIM)}[layout]  # fmt: skip
         self.mla = mla
         self.kv_buffer = torch.randn(dims).to(self.dtype)
 
     def _slice(self, index: int) -> tuple[slice, ...]:
         tokens = slice(index, index + PAGE)
+        if self.layout == "page_first_direct":  # one page of its own axis (pool_host/*.py get_data_page)
+            page = slice(index // PAGE, index // PAGE + 1)
+            return (page,) if self.mla else (slice(None), page)
         if self.mla:
             return (slice(None), tokens) if self.layout == "layer_first" else (tokens,)
         return (slice(None), slice(None), tokens) if self.layout == "layer_first" else (slice(None), tokens)
