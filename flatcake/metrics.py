@@ -63,6 +63,27 @@ _SPECS = [
         "",
         "Connections the agent closed: busy (max_clients), idle_timeout, frame_timeout, http_busy.",
     ),
+    Spec(
+        "flatcake_shared_index_slots",
+        "gauge",
+        ("state",),
+        "",
+        "Slots of the shared-memory key index clients read without the agent: live, deleted (tombstones), free.",
+    ),
+    Spec(
+        "flatcake_shared_index_rebuilds",
+        "counter",
+        (),
+        "",
+        "Shared index tables rebuilt: tombstones cleared, or grown after an entry found no slot.",
+    ),
+    Spec(
+        "flatcake_index_lookups",
+        "counter",
+        ("path",),
+        "",
+        "Client lookups (exists) answered from the shared index (shared) or by the agent (agent: no usable index).",
+    ),
     # Capacity and placement.
     Spec("flatcake_capacity_bytes", "gauge", ("medium",), "bytes", "Capacity of each medium."),
     Spec("flatcake_used_bytes", "gauge", ("medium",), "bytes", "Space held by scopes on each medium."),
@@ -234,6 +255,8 @@ STATS_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "write_errors": ("flatcake_io_errors", ("write",)),
     "verify_failures": ("flatcake_verify_failures", ()),
     "fenced_writes": ("flatcake_fenced_writes", ()),
+    "index_lookups_shared": ("flatcake_index_lookups", ("shared",)),
+    "index_lookups_agent": ("flatcake_index_lookups", ("agent",)),
 }
 
 DROP_REASONS = ("busy", "idle_timeout", "frame_timeout", "http_busy")

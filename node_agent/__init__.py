@@ -64,7 +64,7 @@ from flatcake.node_agent.policy.placement import Decision, Hints, Key, Reason, d
 from flatcake.node_agent.policy.scheduler import Request, Scheduler, hrrn
 from flatcake.node_agent.policy.scopes import Location, ScopeTable
 from flatcake.node_agent.service import protocol
-from flatcake.node_agent.service.client import AgentConnection, connect
+from flatcake.node_agent.service.client import AgentConnection, RemoteCatalog, connect, open_index
 from flatcake.node_agent.service.main import spawn
 
 __all__ = [
@@ -94,6 +94,7 @@ __all__ = [
     "ProtocolError",
     "PutResult",
     "Reason",
+    "RemoteCatalog",
     "Request",
     "Restore",
     "Scheduler",
@@ -112,6 +113,7 @@ __all__ = [
     "local_table",
     "needs_ssd",
     "open_direct",
+    "open_index",
     "plan_restore",
     "protocol",
     "round_up",

@@ -112,6 +112,8 @@ class AgentConfig:
     idle_timeout_s: float = 0.0  # close a registered client silent this long (0: never; clients stay connected)
     frame_budget_bytes: int = 64 * MiB  # request bytes being received across all connections
     group: str = ""  # group given the socket, pools and journal (mode 0660); empty: the agent's own
+    shared_index: bool = True  # publish the key index into shared memory; clients look up without the agent
+    shared_index_slots: int = 0  # table slots (a power of two); 0: twice the pages the pools can hold
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,9 @@ class EngineConfig:
         if not 0 <= self.agent.metrics_port <= 65535:
             raise ConfigError(f"agent.metrics_port: {self.agent.metrics_port} is not a TCP port (0 picks a free one)")
         _positive(self.agent, "journal_fsync_ms", "http_max_connections", "max_clients", prefix="agent.")
+        if self.agent.shared_index_slots < 0:
+            raise ConfigError(f"agent.shared_index_slots: {self.agent.shared_index_slots} must be >= 0 "
+                              "(0: sized from the pools)")  # fmt: skip
         for name in ("http_timeout_s", "frame_timeout_s"):
             if not getattr(self.agent, name) > 0:
                 raise ConfigError(f"agent.{name}: {getattr(self.agent, name)} must be > 0 seconds")

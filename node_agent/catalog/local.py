@@ -19,6 +19,7 @@ from typing import Any, Protocol, cast
 
 from flatcake.errors import FencedError, UnknownHandleError, UnknownKeyError
 from flatcake.node_agent.catalog.journal import Journal, publish_record
+from flatcake.node_agent.catalog.shared_index import SharedIndexWriter
 from flatcake.node_agent.config import PlacementConfig
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Hints, Key, PlacementCounts, decide
@@ -73,7 +74,12 @@ class LocalCatalog:
     """``ScopeTable`` plus placement, handles and (optionally) the journal."""
 
     def __init__(
-        self, table: ScopeTable, placement: PlacementConfig, journal: Journal | None = None, epoch: int = 0
+        self,
+        table: ScopeTable,
+        placement: PlacementConfig,
+        journal: Journal | None = None,
+        epoch: int = 0,
+        index: SharedIndexWriter | None = None,
     ) -> None:
         self.table = table
         self.epoch = epoch
@@ -86,12 +92,38 @@ class LocalCatalog:
         self._lock = threading.Lock()
         self._crc: dict[Key, int] = {}  # per-page checksums, kept for journal compaction
         table.on_free = self._freed
+        self.index = index
+        if index is not None:
+            table.on_publish = self._published
+
+    def _published(self, keys: Sequence[Key], locs: Sequence[Location]) -> None:
+        index = self.index
+        if index is None:
+            return
+        try:
+            if index.wants_rebuild():  # here, where ``entries`` is whole: a rebuild copies it
+                index.rebuild(self.table.entries)
+            else:
+                index.insert(keys, locs)
+        except (OSError, ValueError) as exc:  # the pages are published all the same; clients ask the agent
+            self._abandon_index(exc)
+
+    def _abandon_index(self, exc: Exception) -> None:
+        log.error("shared index: %s; retired, clients look keys up over the socket from now on", exc)
+        if self.index is not None:
+            self.index.retire()
+        self.index = None
 
     def _freed(self, scope: Scope) -> None:
         # Called before the scope's space is released; if the record cannot be written this raises and
         # the space stays with the scope, so no later writer overwrites pages a restart would revive.
         if self.journal is not None:
             self.journal.append({"t": "free", "scope": scope.id})
+        if self.index is not None:  # before the space is reused: clients stop finding these pages
+            try:
+                self.index.delete(scope.keys)
+            except (OSError, ValueError) as exc:
+                self._abandon_index(exc)
         for key in scope.keys:
             self._crc.pop(key, None)
 

@@ -151,6 +151,9 @@ class ScopeTable:
         self._clock = itertools.count(1)
         self.reclaimed = {Medium.DRAM: ReclaimStats(), Medium.SSD: ReclaimStats()}
         self.on_free: Callable[[Scope], None] | None = None  # told of every scope freed (journal)
+        # Told of every entry made visible, under the lock and after ``entries`` has it (the shared
+        # index): inserts and the frees above reach it in the order they happen here.
+        self.on_publish: Callable[[Sequence[Key], Sequence[Location]], None] | None = None
 
     # ---- readers (no lock) -------------------------------------------------------------------
     def lookup(self, key: Key) -> Location | None:
@@ -300,6 +303,8 @@ class ScopeTable:
         with self.lock:
             for key, loc in zip(res.keys, res.locations, strict=True):
                 self.entries[key] = loc
+            if self.on_publish is not None:
+                self.on_publish(res.keys, res.locations)
             res.scope.keys.extend(res.keys)
             self._pending.difference_update(res.keys)
             res.scope.pins -= 1
@@ -380,6 +385,8 @@ class ScopeTable:
                 self.dram.take(scope.slots)
             self.scopes[scope.id] = scope
             self.entries.update(entries)
+            if self.on_publish is not None:
+                self.on_publish(list(entries), list(entries.values()))
             scope.last_used = next(self._clock)
             self._ids = itertools.count(max(next(self._ids), scope.id + 1))
 

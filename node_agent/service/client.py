@@ -8,14 +8,18 @@ locally. One client per process; it is thread-safe (calls on the socket are seri
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
+
 from flatcake.errors import by_code
 from flatcake.node_agent.catalog.local import Allocation, Lease
+from flatcake.node_agent.catalog.shared_index import SharedIndexReader
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.datapath.engine import Engine
 from flatcake.node_agent.datapath.io_backends import IOBackend
@@ -24,6 +28,8 @@ from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Hints, Key
 from flatcake.node_agent.policy.scopes import Location, Segment
 from flatcake.node_agent.service import protocol as P
+
+log = logging.getLogger(__name__)
 
 
 class AgentConnection:
@@ -77,11 +83,19 @@ def _error(code: str, message: str) -> Exception:
 
 
 class RemoteCatalog:
-    """The ``Catalog`` calls, answered by the agent. Data-path counters ride along with ``release``."""
+    """The ``Catalog`` calls, answered by the agent. Data-path counters ride along with ``release``.
 
-    def __init__(self, conn: AgentConnection, stats: Stats | None = None) -> None:
+    ``exists`` and ``lookup`` read the agent's shared index when it offers one (no round trip, no
+    queueing behind other clients on the agent's one thread) and ask the agent when the index cannot
+    answer. Reading bytes still takes a lease from the agent (``acquire``), which re-checks every key
+    under the catalog's lock, so a reclaim racing a lookup can never hand out freed space."""
+
+    def __init__(
+        self, conn: AgentConnection, stats: Stats | None = None, index: SharedIndexReader | None = None
+    ) -> None:
         self.conn = conn
         self.stats = stats
+        self.index = index
         self._reported: dict[str, int] = {}
         self._epochs: dict[int, int] = {}  # open allocation -> the agent epoch it was made in
 
@@ -103,7 +117,26 @@ class RemoteCatalog:
         self.conn.call("abort", id=alloc_id)
 
     def exists(self, keys: Sequence[Key]) -> int:
-        return int(self.conn.call("exists", keys=list(keys)))
+        hit = self.index.hit_prefix(keys) if self.index is not None else None
+        self._count(hit is not None)
+        return hit if hit is not None else int(self.conn.call("exists", keys=list(keys)))
+
+    def lookup(self, keys: Sequence[Key]) -> tuple[int, list[int], list[int]]:
+        """The stored prefix of ``keys``: its length, and each page's GVA and layer stride (as the
+        agent's ``lookup`` op answers). Locations are for planning; ``acquire`` before reading."""
+        found = self.index.find(keys) if self.index is not None else None
+        self._count(found is not None)
+        if found is None:
+            r = self.conn.call("lookup", keys=list(keys))
+            return int(r["hit"]), list(r["gva"]), list(r["stride"])
+        hit, gva, stride = found
+        miss = np.flatnonzero(~hit)
+        n = int(miss[0]) if miss.size else len(keys)
+        return n, gva[:n].tolist(), stride[:n].tolist()
+
+    def _count(self, shared: bool) -> None:
+        if self.stats is not None:
+            self.stats.add("index_lookups_shared" if shared else "index_lookups_agent")
 
     def acquire(self, keys: Sequence[Key]) -> Lease:
         r = self.conn.call("acquire", keys=list(keys))
@@ -125,6 +158,18 @@ class RemoteCatalog:
         self.conn.close()
 
 
+def open_index(path: str) -> SharedIndexReader | None:
+    """The agent's shared index, or None (then every lookup asks the agent): an agent without one,
+    or a file this process cannot map (another mount namespace, no permission) is not an error."""
+    if not path:
+        return None
+    try:
+        return SharedIndexReader(path)
+    except (OSError, ValueError) as exc:
+        log.warning("shared index %s: not usable here (%s); lookups go to the agent", path, exc)
+        return None
+
+
 def connect(
     socket_path: str, *, io: IOBackend | None = None, layers: int | None = None, page_bytes: int | None = None
 ) -> Engine:
@@ -134,7 +179,7 @@ def connect(
         expect = {k: v for k, v in (("layers", layers), ("page_bytes", page_bytes)) if v is not None}
         info = conn.call("register", **expect)
         config = EngineConfig.from_dict(info["config"])
-        catalog = RemoteCatalog(conn)
+        catalog = RemoteCatalog(conn, index=open_index(info.get("index_path") or ""))
         engine = Engine(config, io=io, catalog=catalog, dram_path=info["dram_path"])
     except BaseException:
         conn.close()

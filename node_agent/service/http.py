@@ -126,6 +126,12 @@ class AgentCollector(Collector):
         yield M.family("flatcake_recovery_skipped_records", [((), a.recovered.skipped_records)])
         yield M.family("flatcake_recovery_checked_pages", [((), a.recovered.verified_pages)])
         yield M.family("flatcake_agent_epoch", [((), a.epoch)])
+        index = a.catalog.index.stats() if a.catalog.index is not None else None
+        if index is not None:
+            free = index["slots"] - index["entries"] - index["tombstones"]
+            slots = [(("live",), index["entries"]), (("deleted",), index["tombstones"]), (("free",), free)]
+            yield M.family("flatcake_shared_index_slots", slots)
+            yield M.family("flatcake_shared_index_rebuilds", [((), index["rebuilds"])])
         yield M.family("flatcake_journal_errors", [((kind,), n) for kind, n in a.journal_errors().items()])
         dropped = {reason: 0 for reason in M.DROP_REASONS} | dict(a.dropped)
         dropped["http_busy"] = a.http_server.refused if a.http_server is not None else 0

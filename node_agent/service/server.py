@@ -33,6 +33,7 @@ from flatcake.node_agent.catalog.files import resolve_gid, share_path
 from flatcake.node_agent.catalog.journal import Journal
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.catalog.recovery import Recovered, page_crc_reader, recover
+from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, slots_for
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.datapath.dram_pool import DramPool
 from flatcake.node_agent.datapath.engine import local_table
@@ -74,7 +75,9 @@ class Agent:
         # A new epoch before anything is served: writers holding allocations of the previous agent are
         # refused from here on (catalog/epoch.py).
         self.epoch = advance_epoch(c.ssd.dir, self.gid)
-        self.catalog = LocalCatalog(local_table(c), c.placement, epoch=self.epoch)
+        table = local_table(c)
+        self.index = self._shared_index(table.dram.slots + table.ssd.capacity // table.page_span)
+        self.catalog = LocalCatalog(table, c.placement, epoch=self.epoch, index=self.index)
         self.recovered = Recovered()
         self.journal: Journal | None = None
         self.client_stats: Counter[str] = Counter()  # data-path counters reported by clients
@@ -91,6 +94,20 @@ class Agent:
         self._writers: set[asyncio.StreamWriter] = set()
         self.http_server: http.Server | None = None
         self.metrics_port = c.agent.metrics_port
+
+    def _shared_index(self, max_pages: int) -> SharedIndexWriter | None:
+        """The shared-memory index clients look keys up in (catalog/shared_index.py), next to the DRAM
+        pool; None when turned off or it cannot be made (clients then ask over the socket)."""
+        c = self.config
+        if not c.agent.shared_index:
+            return None
+        path = Path(c.dram.shm_dir) / f"{c.dram.name}.index"
+        try:
+            return SharedIndexWriter(path, c.agent.shared_index_slots or slots_for(max_pages), epoch=self.epoch,
+                                     gid=self.gid)  # fmt: skip
+        except OSError as exc:
+            log.error("shared index %s: cannot create it (%s); clients look keys up over the socket", path, exc)
+            return None
 
     def recover(self) -> Recovered:
         """Rebuild the catalog from the journal, compact it, and start journaling (once)."""
@@ -135,7 +152,9 @@ class Agent:
                     "run one agent (cache) per model geometry",
                 )  # fmt: skip
         session.registered = True
-        return {"config": c.to_dict(), "dram_path": self.dram.info.path, "session": session.id, "epoch": self.epoch}
+        index = self.catalog.index
+        return {"config": c.to_dict(), "dram_path": self.dram.info.path, "session": session.id, "epoch": self.epoch,
+                "index_path": str(index.path) if index is not None else ""}  # fmt: skip
 
     def op_exists(self, session: Session, args: dict[str, Any]) -> int:
         return self.catalog.exists(P.keys_arg(args))
@@ -391,6 +410,8 @@ class Agent:
             self.http_server.server_close()
         if self.journal is not None:
             self.journal.close()
+        if self.catalog.index is not None:
+            self.catalog.index.close()
         self.dram.close(unlink=False)  # the pool outlives the agent process
 
 

@@ -1,0 +1,162 @@
+"""The shared index: what clients read without the agent is exactly what the agent published."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flatcake.node_agent.catalog import shared_index as S
+from flatcake.node_agent.policy.scopes import Location
+
+pytestmark = pytest.mark.unit
+
+keys_st = st.lists(
+    st.one_of(st.text(max_size=40), st.binary(max_size=40), st.integers(-(1 << 80), 1 << 80)), max_size=30
+)
+
+
+@given(keys_st)
+@settings(max_examples=200, deadline=None)
+def test_a_key_hashes_alike_in_every_batch(keys: list) -> None:
+    """Writer and readers hash different batches; a key's hash must not depend on its company (the
+    vectorised fast paths for equal-length str and for int agree with the general one)."""
+    alone = [S.hash_keys([k]) for k in keys]
+    together = S.hash_keys(keys)
+    assert together is not None
+    for i, one in enumerate(alone):
+        assert one is not None
+        assert (one[0][0], one[1][0]) == (together[0][i], together[1][i])
+    same_length = [f"{i:040x}" for i in range(50)]
+    fast, general = S.hash_keys(same_length), S.hash_keys([*same_length, b"odd one"])
+    assert fast is not None and general is not None
+    assert np.array_equal(fast[0], general[0][:50]) and np.array_equal(fast[1], general[1][:50])
+
+
+def test_str_bytes_and_int_keys_do_not_collide() -> None:
+    h = S.hash_keys(["1", b"1", 1, "", b"", 0])
+    assert h is not None and len(set(zip(h[0].tolist(), h[1].tolist(), strict=True))) == 6
+    assert S.hash_keys([1.5]) is None  # not a key type: the caller asks the agent
+
+
+def loc(i: int, version: int = 0) -> Location:
+    return Location(1, (i << 20) | version, 4096 * (version % 7 + 1))
+
+
+def test_insert_find_delete_and_rebuild(tmp_path: Path) -> None:
+    w = S.SharedIndexWriter(tmp_path / "idx", 1024)
+    r = S.SharedIndexReader(tmp_path / "idx")
+    keys = [f"k{i}" for i in range(600)]
+    w.insert(keys, [loc(i) for i in range(600)])
+    assert r.hit_prefix(keys) == 600 and r.hit_prefix(["nope", *keys]) == 0
+    found = r.find(keys)
+    assert found is not None
+    assert found[1].tolist() == [loc(i).gva for i in range(600)]
+    assert found[2].tolist() == [loc(i).layer_stride for i in range(600)]
+    w.delete(keys[:100])
+    assert r.hit_prefix(keys) == 0 and r.hit_prefix(keys[100:]) == 500
+    assert w.stats()["tombstones"] == 100 and w.stats()["entries"] == 500
+    # A rebuild replaces the file; the reader sees the old one retired and reopens the new one.
+    w.rebuild({k: loc(i) for i, k in enumerate(keys) if i >= 100})
+    assert w.stats()["tombstones"] == 0 and r.hit_prefix(keys[100:]) == 500
+    w.close()
+    assert r.find(keys) is None  # the agent stopped: ask it (and fail), never trust the table
+
+
+def test_a_full_table_falls_back_to_the_agent_until_rebuilt(tmp_path: Path) -> None:
+    w = S.SharedIndexWriter(tmp_path / "idx", 1024)
+    r = S.SharedIndexReader(tmp_path / "idx")
+    keys = list(range(1100))  # more than the table holds
+    entries = {k: loc(k) for k in keys}
+    w.insert(keys, list(entries.values()))
+    assert w.wants_rebuild() and r.hit_prefix(keys) is None  # incomplete: it cannot say "miss"
+    w.rebuild(entries)
+    assert w.stats()["slots"] >= 2048 and r.hit_prefix(keys) == 1100
+
+
+def test_a_new_writer_retires_the_previous_agents_table(tmp_path: Path) -> None:
+    old = S.SharedIndexWriter(tmp_path / "idx", 1024)
+    old.insert(["a"], [loc(1)])
+    r = S.SharedIndexReader(tmp_path / "idx")
+    assert r.hit_prefix(["a"]) == 1
+    new = S.SharedIndexWriter(tmp_path / "idx", 1024)  # a restarted agent, before recovery
+    assert r.hit_prefix(["a"]) == 0  # the reader moved to the new (empty) table
+    new.insert(["a"], [loc(2)])
+    found = r.find(["a"])
+    assert found is not None and found[1].tolist() == [loc(2).gva]
+
+
+def test_a_slot_left_mid_write_makes_the_reader_ask_the_agent(tmp_path: Path) -> None:
+    w = S.SharedIndexWriter(tmp_path / "idx", 1024)
+    w.insert(["a"], [loc(1)])
+    r = S.SharedIndexReader(tmp_path / "idx")
+    h = S.hash_keys(["a"])
+    assert h is not None
+    w.t.seq[int(h[0][0] & w.t.mask)] += np.uint64(1)  # a writer killed between its two increments
+    assert r.find(["a"]) is None
+
+
+# ---- torn reads under a concurrent writer ---------------------------------------------------------
+N_KEYS = 3000
+
+
+def _churn(path: str, seconds: float, seed: int, ready: object) -> None:
+    """Publish and delete keys at random for ``seconds``; each publication of key i has a new version
+    v, published as ``loc(i, v)``. Rebuilds included, as the agent does them."""
+    rng = random.Random(seed)
+    w = S.SharedIndexWriter(path, 2048)
+    live: dict[int, Location] = {}
+    version = 0
+    ready.set()  # type: ignore[attr-defined]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        version += 1
+        batch = rng.sample(range(N_KEYS), rng.randint(1, 200))
+        gone = [k for k in batch if k in live]
+        w.delete(gone)
+        for k in gone:
+            del live[k]
+        new = [k for k in batch if k not in gone]
+        for k in new:
+            live[k] = loc(k, version % (1 << 20))
+        if w.wants_rebuild():
+            w.rebuild(live)
+        else:
+            w.insert(new, [live[k] for k in new])
+    w.close()
+
+
+def test_readers_never_see_a_torn_or_foreign_entry(tmp_path: Path) -> None:
+    """A writer process churns a small table (slots reused by other keys all the time, tombstones,
+    rebuilds) while this process reads: every location found must be one published for that key,
+    whole: key id in the GVA's high bits, the version's stride with the version in its low bits."""
+    ctx = mp.get_context("fork")
+    path = str(tmp_path / "idx")
+    ready = ctx.Event()
+    writer = ctx.Process(target=_churn, args=(path, 3.0, 7, ready))
+    writer.start()
+    assert ready.wait(30)
+    r = S.SharedIndexReader(path)
+    rng = random.Random(1)
+    checked = hits = 0
+    while writer.is_alive():
+        keys = rng.sample(range(N_KEYS), 500)
+        found = r.find(keys)
+        if found is None:
+            continue  # the writer is between tables or stopped: the client would ask the agent
+        hit, gva, stride = found
+        for k, h, g, s in zip(keys, hit.tolist(), gva.tolist(), stride.tolist(), strict=True):
+            if h:
+                assert g >> 20 == k, f"key {k} found another key's location {g:#x}"
+                assert s == loc(k, g & 0xFFFFF).layer_stride, f"key {k}: torn entry gva {g:#x} stride {s}"
+                hits += 1
+        checked += 1
+    writer.join(10)
+    assert writer.exitcode == 0
+    assert checked > 20 and hits > 1000
