@@ -78,6 +78,13 @@ class IOConfig:
     staging_slot_bytes: int = 8 * MiB
     streams: int = 4  # concurrent restores; more wait for a window
     verify_reads: str = "ssd"  # off | ssd | all: check restored pages against their crc32 (a mismatch is a miss)
+    # kvikio's thread pool (num_threads); 0: streams x staging_layers x workers, every read a restore can have in
+    # flight, so the device queue stays full (kvikio's own default is 1 thread: one read at a time)
+    kvikio_threads: int = 0
+
+    def kvikio_pool(self) -> int:
+        """kvikio's ``num_threads``: as given, or one per read a restore can have in flight."""
+        return self.kvikio_threads or self.streams * self.staging_layers * self.workers
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,8 @@ class EngineConfig:
         _positive(self.io, "workers", "staging_layers", "streams", prefix="io.")
         if self.io.gap_bytes < 0:
             raise ConfigError(f"io.gap_bytes: {self.io.gap_bytes} must be >= 0")
+        if not 0 <= self.io.kvikio_threads <= 1024:
+            raise ConfigError(f"io.kvikio_threads: {self.io.kvikio_threads} must be 0 (derived) to 1024")
         if self.io.staging_slot_bytes % ALIGN or self.io.staging_slot_bytes < self.page_bytes:
             raise ConfigError(
                 f"io.staging_slot_bytes: {self.io.staging_slot_bytes} must be a multiple of "

@@ -115,6 +115,11 @@ class DramPool:
         return self._registered
 
     def close(self, unlink: bool = False) -> None:
+        if self._registered:  # unpin before the unmap
+            from flatcake.node_agent.datapath import gpu
+
+            gpu.host_unregister(self.view)
+            self._registered = False
         del self.view
         with contextlib.suppress(BufferError):  # a caller still holds a view: the mapping goes with it
             self._mmap.close()

@@ -34,6 +34,7 @@ from flatcake.node_agent.datapath.restore import (
     Restore,
     Scatter,
     StagedVerifier,
+    StreamOrder,
     Verifier,
     WindowPool,
     cupy_scatter,
@@ -109,7 +110,7 @@ class Engine:
                 raise ValueError(f"{c.ssd.dir}: pool manifest does not match the agent's configuration")
         paths = [str(Path(c.ssd.dir) / name) for name in self.pool.files]
         if io is None:
-            io, why = select_backend(paths, c.io.workers, c.io.backend)
+            io, why = select_backend(paths, c.io.workers, c.io.backend, c.io.kvikio_pool())
             log.info("I/O backend %s: %s", io.name, why)
         self.io = io
         self._paths = paths
@@ -285,6 +286,8 @@ class Engine:
         dram3 = self._dram3
         runs = _runs(dram_src) if paged else []
 
+        order = StreamOrder(gpu.cuda_api()) if on_gpu else None
+
         def copy_dram(layer: int) -> None:
             if not len(dram_src):
                 return
@@ -293,8 +296,11 @@ class Engine:
                     s0 = int(dram_src[a])
                     dest.write(layer, dram_dst[a:b], dram3[s0 : s0 + b - a, layer])
                 return
-            # host to host, or one H2D copy from the pinned pool on the GPU path
-            dest[layer, dram_dst] = gpu.to_device(dram3[dram_src, layer]) if on_gpu else dram3[dram_src, layer]
+            if order is not None:  # one H2D copy from the pinned pool, on the restore's stream
+                with order.stream:
+                    dest[layer, dram_dst] = gpu.to_device(dram3[dram_src, layer])
+                return
+            dest[layer, dram_dst] = dram3[dram_src, layer]  # host to host
 
         verify: Verifier | None = None
         mode = c.io.verify_reads
@@ -311,8 +317,10 @@ class Engine:
         scatter: Scatter
         if paged:
             scatter = paged_scatter(dest, c.page_bytes)
+        elif order is not None:
+            scatter = cupy_scatter(dest, c.page_bytes, order.stream)
         else:
-            scatter = (cupy_scatter if on_gpu else numpy_scatter)(dest, c.page_bytes)
+            scatter = numpy_scatter(dest, c.page_bytes)
         self.stats.add("restores")
         self.stats.add("restore_pages_dram", len(dram_src))
         self.stats.add("restore_pages_ssd", len(locs) - len(dram_src))
@@ -328,6 +336,7 @@ class Engine:
             stats=self.stats,
             on_close=lambda: self.catalog.release(lease.id),
             verify=verify,
+            order=order,
         )
 
     def _gpu_windows(self) -> WindowPool:

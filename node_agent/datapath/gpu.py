@@ -7,6 +7,7 @@ so usability is decided by asking the CUDA runtime for a device, never by a succ
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 
@@ -41,11 +42,53 @@ def kvikio_usable() -> tuple[bool, str]:
     return True, "kvikio with a CUDA device"
 
 
-def host_register(view: Any) -> None:
-    """cudaHostRegister the whole host region once, so H2D copies from it are DMA, not staged."""
+# Host regions this process has pinned, by (address, bytes): a count of the pools holding each, so a region
+# is registered once however many engines of the process map it there, and unregistered with the last.
+_pinned: dict[tuple[int, int], int] = {}
+_pin_lock = threading.Lock()
+
+
+def host_register(view: Any, runtime: Any = None) -> None:
+    """cudaHostRegister the whole host region once per process, so H2D copies from it are DMA, not staged.
+    ``runtime`` is ``cupy.cuda.runtime`` unless a test passes a stand-in."""
+    key = (int(view.ctypes.data), int(view.nbytes))
+    with _pin_lock:
+        if _pinned.get(key, 0) == 0:
+            (runtime or _runtime()).hostRegister(key[0], key[1], 0)
+        _pinned[key] = _pinned.get(key, 0) + 1
+
+
+def host_unregister(view: Any, runtime: Any = None) -> None:
+    """Release one hold on a pinned region; the last one cudaHostUnregisters it (before the unmap: an
+    unmapped but registered region stays page-locked, and the driver may fault on the stale range)."""
+    key = (int(view.ctypes.data), int(view.nbytes))
+    with _pin_lock:
+        held = _pinned.get(key, 0)
+        if held == 0:
+            return
+        if held == 1:
+            del _pinned[key]
+            (runtime or _runtime()).hostUnregister(key[0])
+        else:
+            _pinned[key] = held - 1
+
+
+def pinned_regions() -> dict[tuple[int, int], int]:
+    with _pin_lock:
+        return dict(_pinned)
+
+
+def _runtime() -> Any:
     import cupy
 
-    cupy.cuda.runtime.hostRegister(view.ctypes.data, view.nbytes, 0)
+    return cupy.cuda.runtime
+
+
+def cuda_api() -> Any:
+    """``cupy.cuda``: streams and events for ``restore.StreamOrder``."""
+    import cupy
+
+    return cupy.cuda
 
 
 def device_empty(nbytes: int) -> Any:

@@ -111,10 +111,12 @@ class KvikioIO:
 
     name = "kvikio"
 
-    def __init__(self, paths: Sequence[str], workers: int) -> None:
+    def __init__(self, paths: Sequence[str], workers: int, threads: int = 0) -> None:
         import kvikio
 
         self._kvikio = kvikio
+        if threads:
+            set_kvikio_threads(kvikio, threads)
         self.paths = list(paths)
         self.workers = workers
         self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"flatcake-gds-{i}") for i in range(workers)]
@@ -151,7 +153,20 @@ class KvikioIO:
             files.clear()
 
 
-def select_backend(paths: Sequence[str], workers: int, prefer: str = "auto") -> tuple[IOBackend, str]:
+def set_kvikio_threads(kvikio: Any, threads: int) -> None:
+    """kvikio's thread pool size, through whichever API this kvikio has: ``defaults.set`` (25.x) or
+    ``defaults.num_threads_reset`` (24.x). kvikio splits each read into ``task_size`` chunks run on this
+    pool; its default of one thread leaves one chunk in flight, far from what an NVMe queue needs."""
+    defaults = kvikio.defaults
+    if hasattr(defaults, "set"):
+        defaults.set("num_threads", threads)
+    else:
+        defaults.num_threads_reset(threads)
+
+
+def select_backend(
+    paths: Sequence[str], workers: int, prefer: str = "auto", kvikio_threads: int = 0
+) -> tuple[IOBackend, str]:
     """The backend to use and why; ``prefer`` is ``auto``, ``posix`` or ``kvikio``."""
     from flatcake.node_agent.datapath import gpu
 
@@ -161,7 +176,7 @@ def select_backend(paths: Sequence[str], workers: int, prefer: str = "auto") -> 
         return PosixDirectIO(paths, workers), "posix requested"
     usable, why = gpu.kvikio_usable()
     if usable:
-        return KvikioIO(paths, workers), "GPU and kvikio usable"
+        return KvikioIO(paths, workers, kvikio_threads), f"GPU and kvikio usable ({kvikio_threads} kvikio threads)"
     if prefer == "kvikio":
         raise ConfigError(f"io.backend: kvikio requested but not usable: {why}; use 'auto' or 'posix'")
     return PosixDirectIO(paths, workers), f"posix O_DIRECT ({why})"

@@ -8,6 +8,7 @@ works on layer l. When every slot is busy the next read waits: nothing is droppe
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
 import warnings
@@ -147,6 +148,44 @@ class StagedVerifier(Verifier):
                 if (got != want or k in done) and i not in missing}  # fmt: skip
 
 
+class StreamOrder:
+    """CUDA ordering for one GPU restore: its scatter kernels run on a stream of its own, an event is
+    recorded after each slot's scatter, and the slot takes its next read only once that event has
+    completed. kvikio's read returns when the bytes are in the slot, but a kernel launch returns before
+    the kernel has run: without the event the next read could overwrite a slot the kernel still reads.
+
+    ``cuda`` is ``cupy.cuda`` (``Stream(non_blocking=True)`` usable as a context manager, ``Event()``
+    with ``record(stream)`` and ``synchronize()``); tests pass a stand-in that records the order."""
+
+    def __init__(self, cuda: Any) -> None:
+        self._cuda = cuda
+        self.stream = cuda.Stream(non_blocking=True)
+        self._pending: dict[int, Any] = {}  # slot -> event recorded after its last scatter
+        self._last: Any = None
+
+    def scattered(self, slot: int) -> None:
+        event = self._cuda.Event()
+        event.record(self.stream)
+        self._pending[slot] = self._last = event
+
+    def reuse(self, slot: int) -> None:
+        event = self._pending.pop(slot, None)
+        if event is not None:
+            event.synchronize()
+
+    def layer_ready(self) -> None:
+        """Everything queued so far (the layer's scatters, its DRAM copy) has run: a yielded layer is in
+        the destination, as the host path promises."""
+        event = self._cuda.Event()
+        event.record(self.stream)
+        event.synchronize()
+
+    def drain(self) -> None:
+        """Before the window goes back to the pool: no kernel may still read one of its slots."""
+        for slot in list(self._pending):
+            self.reuse(slot)
+
+
 class Restore(Iterator[int]):
     """Yields layer indexes in order; when layer ``l`` is yielded its bytes are in the destination.
 
@@ -169,8 +208,10 @@ class Restore(Iterator[int]):
         stats: Stats,
         on_close: Callable[[], None],
         verify: Verifier | None = None,
+        order: StreamOrder | None = None,
     ) -> None:
         self.missing: set[int] = set()
+        self._order = order
         self._verify = verify
         self.staging_peak_bytes = 0
         self._layers, self._fills, self._dest_pages = layers, fills, dest_pages
@@ -227,6 +268,8 @@ class Restore(Iterator[int]):
                 nonlocal rr, staged
                 while queue and free:
                     fill, slot = queue.popleft(), free.popleft()
+                    if self._order is not None:
+                        self._order.reuse(slot)  # its last scatter has run: the slot may be overwritten
                     buf, futures, at = window.slots[slot], [], 0  # type: ignore[union-attr]
                     cmds = fill.commands
                     for file, offset, n in zip(
@@ -247,10 +290,14 @@ class Restore(Iterator[int]):
                 while inflight and inflight[0][0].layer <= layer:  # every fill holding part of this layer
                     fill, slot, futures = inflight.popleft()
                     self._complete(fill, window.slots[slot], futures)  # type: ignore[union-attr]
+                    if self._order is not None:
+                        self._order.scattered(slot)
                     free.append(slot)
                     staged -= fill.nbytes
                     top_up()
                 self._copy_dram(layer)
+                if self._order is not None:
+                    self._order.layer_ready()
                 if self._verify is not None:
                     self._verify.layer(layer)
                 yield layer
@@ -266,6 +313,8 @@ class Restore(Iterator[int]):
             for _, _, futures in inflight:  # never hand a slot back while a read may still land in it
                 for f in futures:
                     f.exception()
+            if self._order is not None:
+                self._order.drain()
             if window is not None:
                 self._windows.release(window)
             self._finish()
@@ -331,13 +380,14 @@ def paged_scatter(target: PagedTarget, page_bytes: int) -> Scatter:
     return scatter
 
 
-def cupy_scatter(dest: Any, page_bytes: int) -> Scatter:
-    """Scatter on the GPU with one kernel launch per fill."""
+def cupy_scatter(dest: Any, page_bytes: int, stream: Any = None) -> Scatter:
+    """Scatter on the GPU with one kernel launch per fill, on ``stream`` (the restore's own) when given."""
     from flatcake.node_agent.datapath import gpu
 
     layer_bytes = dest.shape[1] * page_bytes
 
     def scatter(layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
-        gpu.scatter(buf, dest.reshape(-1), src, layer * layer_bytes + dst * page_bytes, count * page_bytes)
+        with contextlib.nullcontext() if stream is None else stream:
+            gpu.scatter(buf, dest.reshape(-1), src, layer * layer_bytes + dst * page_bytes, count * page_bytes)
 
     return scatter
