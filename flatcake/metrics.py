@@ -41,7 +41,20 @@ _SPECS = [
         "Journaled pages dropped at start-up: a later record took their space or key (a damaged record hid a free).",
     ),
     Spec("flatcake_recovery_skipped_records", "gauge", (), "", "Damaged journal records skipped at start-up."),
-    Spec("flatcake_recovery_checked_pages", "gauge", (), "", "Pages recovery has checked so far (progress)."),
+    Spec(
+        "flatcake_recovery_checked_pages",
+        "gauge",
+        (),
+        "",
+        "Recovered pages whose bytes the background scan has checked so far (progress).",
+    ),
+    Spec(
+        "flatcake_recovery_unchecked_pages",
+        "gauge",
+        (),
+        "",
+        "Recovered pages the background scan has yet to check (their readers check them meanwhile).",
+    ),
     Spec(
         "flatcake_agent_epoch",
         "gauge",

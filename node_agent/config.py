@@ -113,7 +113,9 @@ class AgentConfig:
     http_max_connections: int = 64  # HTTP connections served at once; more are closed at accept
     journal_fsync: str = "interval"  # always | interval | never (see node_agent/journal.py)
     journal_fsync_ms: int = 100
-    verify_on_recovery: bool = True  # re-read every journaled page and check its crc32 at start-up
+    # Check every recovered page's crc32 after a restart: in the background once serving, and on every
+    # read of a scope not yet checked (recovery itself reads no page: restart is O(journal records)).
+    verify_on_recovery: bool = True
     max_clients: int = 1024  # control connections at once; more are answered `busy` and closed
     frame_timeout_s: float = 10.0  # a started frame must arrive whole, and a new connection register, within it
     idle_timeout_s: float = 0.0  # close a registered client silent this long (0: never; clients stay connected)

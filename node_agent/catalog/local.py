@@ -50,6 +50,9 @@ class Lease:
     id: int
     locations: list[Location]
     checksums: list[int] = field(default_factory=list)
+    # Some page is not yet checked by the agent's post-restart scan: the reader checks every page it
+    # reads (whatever io.verify_reads says), so a damaged page is a miss even before the scan finds it.
+    verify: bool = False
 
 
 class Catalog(Protocol):
@@ -91,6 +94,8 @@ class LocalCatalog:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._crc: dict[Key, int] = {}  # per-page checksums, kept for journal compaction
+        # Recovered scopes the background scan has not checked yet (catalog/recovery.py ``Scan``).
+        self.unverified: set[int] = set()
         table.on_free = self._freed
         self.index = index
         if index is not None:
@@ -196,9 +201,11 @@ class LocalCatalog:
             i = vanished[0]
             raise UnknownKeyError(f"keys[{i}]: {keys[i]!r} was reclaimed while resolving; recompute it")
         lease_id = next(self._ids)
+        scopes = set(map(operator.itemgetter(0), locs))
         with self._lock:
-            self._leases[lease_id] = set(map(operator.itemgetter(0), locs))
-        return Lease(lease_id, locs, [self._crc.get(k, -1) for k in keys])
+            self._leases[lease_id] = scopes
+        verify = bool(self.unverified) and not self.unverified.isdisjoint(scopes)
+        return Lease(lease_id, locs, [self._crc.get(k, -1) for k in keys], verify)
 
     def release(self, lease_id: int) -> None:
         with self._lock:
@@ -206,6 +213,35 @@ class LocalCatalog:
         if scopes is None:
             raise UnknownHandleError(f"lease {lease_id}: unknown (released already or expired)")
         self.table.unpin(scopes)
+
+    def pages_of(self, scope_id: int) -> list[tuple[Key, Location, int]]:
+        """Each stored page of a scope with its published crc32 (the background scan's work)."""
+        with self.table.lock:
+            scope = self.table.scopes.get(scope_id)
+            keys = list(scope.keys) if scope is not None else []
+            return [(k, self.table.entries[k], self._crc.get(k, -1)) for k in keys if k in self.table.entries]
+
+    def drop_damaged(self, key: Key, loc: Location) -> bool:
+        """Stop serving a page whose stored bytes failed their checksum, as recovery always did: the
+        key goes (from the index too), its space stays with its scope until the scope is freed, so
+        no reader of the scope (it verifies what it reads: the lease says so) races a reuse. A scope
+        left with no page is freed. False when the key no longer names that page."""
+        t = self.table
+        with t.lock:
+            if t.entries.get(key) is not loc:
+                return False
+            if self.index is not None:
+                try:
+                    self.index.delete([key])
+                except (OSError, ValueError) as exc:
+                    self._abandon_index(exc)
+            del t.entries[key]
+            self._crc.pop(key, None)
+            scope = t.scopes[loc.scope]
+            scope.keys.remove(key)
+            if not scope.keys:
+                t.drop(scope.id)
+            return True
 
     def adopt(self, scope: Scope, entries: dict[Key, Location], checksums: dict[Key, int]) -> None:
         """Serve a recovered scope's pages again (recovery only)."""

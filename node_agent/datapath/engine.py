@@ -303,7 +303,7 @@ class Engine:
             dest[layer, dram_dst] = dram3[dram_src, layer]  # host to host
 
         verify: Verifier | None = None
-        mode = c.io.verify_reads
+        mode = "all" if lease.verify else c.io.verify_reads
         if mode != "off" and lease.checksums and not on_gpu:
             # GPU destinations are not verified here: checking them would copy every page back to the host.
             want = np.asarray(lease.checksums, dtype=np.int64)

@@ -371,6 +371,17 @@ class ScopeTable:
             self._free_scope(self.scopes[sid], count=True)
         return chosen
 
+    def drop(self, scope_id: int) -> bool:
+        """Free one scope whole now (its pages were found damaged); False if a reader pins it."""
+        with self.lock:
+            scope = self.scopes.get(scope_id)
+            if scope is None:
+                return True
+            if scope.pins:
+                return False
+            self._free_scope(scope, count=False)
+            return True
+
     def adopt(self, scope: Scope, entries: dict[Key, Location]) -> None:
         """Re-create a scope found in the journal at start-up (its space must be free)."""
         with self.lock:

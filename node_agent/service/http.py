@@ -97,9 +97,11 @@ def _wsgi_app(agent: Agent) -> Any:
 
 
 def _readiness(agent: Agent) -> str:
-    if agent.ready:
-        return "ready\n"
     r = agent.recovered
+    if agent.ready:
+        if r.scan_done:
+            return "ready\n"
+        return f"ready; checking recovered pages in the background: {r.verified_pages} of {r.scan_pages}\n"
     if r.done:
         return "recovered; starting the socket\n"
     if r.total_pages:
@@ -125,6 +127,8 @@ class AgentCollector(Collector):
         yield M.family("flatcake_recovery_superseded_pages", [((), a.recovered.superseded_pages)])
         yield M.family("flatcake_recovery_skipped_records", [((), a.recovered.skipped_records)])
         yield M.family("flatcake_recovery_checked_pages", [((), a.recovered.verified_pages)])
+        pending = 0 if a.recovered.scan_done else max(0, a.recovered.scan_pages - a.recovered.verified_pages)
+        yield M.family("flatcake_recovery_unchecked_pages", [((), pending)])
         yield M.family("flatcake_agent_epoch", [((), a.epoch)])
         index = a.catalog.index.stats() if a.catalog.index is not None else None
         if index is not None:

@@ -17,6 +17,7 @@ import logging
 import operator
 import signal
 import stat
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ from flatcake.node_agent.catalog.epoch import advance as advance_epoch
 from flatcake.node_agent.catalog.files import resolve_gid, share_path
 from flatcake.node_agent.catalog.journal import Journal
 from flatcake.node_agent.catalog.local import LocalCatalog
-from flatcake.node_agent.catalog.recovery import Recovered, page_crc_reader, recover
+from flatcake.node_agent.catalog.recovery import Recovered, close_fds, page_crc_reader, recover, scan
 from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, slots_for
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.datapath.dram_pool import DramPool
@@ -94,6 +95,8 @@ class Agent:
         self._writers: set[asyncio.StreamWriter] = set()
         self.http_server: http.Server | None = None
         self.metrics_port = c.agent.metrics_port
+        self._scan_stop = threading.Event()
+        self._scanner: threading.Thread | None = None
 
     def _shared_index(self, max_pages: int) -> SharedIndexWriter | None:
         """The shared-memory index clients look keys up in (catalog/shared_index.py), next to the DRAM
@@ -116,9 +119,13 @@ class Agent:
         c = self.config
         journal_path = Path(c.ssd.dir) / JOURNAL
         started = time.monotonic()
-        paths = [Path(c.ssd.dir) / name for name in self.pool.files]
-        verify = page_crc_reader(c, self.dram.view, paths) if c.agent.verify_on_recovery else None
-        recover(self.catalog, journal_path, verify, self.recovered)
+        # No page is read here: restart is O(journal records). The bytes are checked after the socket
+        # opens, by the background scan and by readers of not-yet-scanned scopes (catalog/recovery.py).
+        recover(self.catalog, journal_path, None, self.recovered)
+        if c.agent.verify_on_recovery:
+            self.catalog.unverified = set(self.catalog.table.scopes)
+        else:
+            self.recovered.scan_done = True
         journal = Journal(journal_path, c.agent.journal_fsync, c.agent.journal_fsync_ms, gid=self.gid)
         try:
             journal.rewrite(self.catalog.snapshot_records())  # compact: live state only
@@ -197,7 +204,8 @@ class Agent:
     def op_acquire(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         lease = self.catalog.acquire(P.keys_arg(args))
         session.leases.add(lease.id)
-        return {"id": lease.id, **_columns(lease.locations, scope=0, gva=1, stride=2), "crc": lease.checksums}
+        return {"id": lease.id, **_columns(lease.locations, scope=0, gva=1, stride=2), "crc": lease.checksums,
+                "verify": lease.verify}  # fmt: skip
 
     def op_release(self, session: Session, args: dict[str, Any]) -> None:
         lease_id = _owned(session.leases, P.int_arg(args, "id"), "lease")
@@ -395,6 +403,7 @@ class Agent:
                 loop.add_signal_handler(sig, stop.set)
         self.ready = True
         log.info("serving %s; metrics on port %d", path, self.metrics_port)
+        self.start_scan()
         async with server:
             await stop.wait()
         self.ready = False
@@ -404,7 +413,29 @@ class Agent:
         while self._writers and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
+    def start_scan(self) -> None:
+        """Check the recovered pages in the background (once), now that clients are served."""
+        if self._scanner is not None or self.recovered.scan_done or not self.recovered.done:
+            return
+        self._scanner = threading.Thread(target=self._scan, name="flatcake-recovery-scan", daemon=True)
+        self._scanner.start()
+
+    def _scan(self) -> None:
+        c = self.config
+        fds: dict[int, int] = {}
+        paths = [Path(c.ssd.dir) / name for name in self.pool.files]
+        try:
+            scan(self.catalog, page_crc_reader(c, self.dram.view, paths, fds), self.recovered, self._scan_stop,
+                 workers=max(4, c.io.workers), page_bytes=c.layers * c.page_bytes)  # fmt: skip
+        except Exception:  # a bug or an unreadable pool: readers keep checking what they read
+            log.exception("recovery scan failed; unscanned scopes stay checked on every read")
+        finally:
+            close_fds(fds)
+
     def close(self) -> None:
+        self._scan_stop.set()
+        if self._scanner is not None:
+            self._scanner.join(30)
         if self.http_server is not None:
             self.http_server.shutdown()
             self.http_server.server_close()

@@ -264,15 +264,8 @@ def test_client_counters_are_validated(agent_thread: Start) -> None:
 
 
 # ---- item 2: probes answer during recovery ----------------------------------------------------------
-def test_healthz_answers_and_readyz_reports_progress_during_recovery(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    config = small_config(tmp_path / "node", files=16)
-    a = AgentThread(config)
-    with connect(a.socket) as e:
-        for i in range(6):
-            put(e, [f"r{i}"], SSD)
-    a.stop()
+def _stalled_scan(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the agent's page checks wait for the returned gate, as a large cache's scan would."""
     gate = threading.Event()
     real = S.page_crc_reader
 
@@ -280,12 +273,27 @@ def test_healthz_answers_and_readyz_reports_progress_during_recovery(
         read = real(*args)  # type: ignore[arg-type]
 
         def crc(loc: object) -> int:
-            gate.wait(30)  # recovery stalls here, as a large cache's would
+            gate.wait(30)
             return read(loc)  # type: ignore[arg-type]
 
         return crc
 
     monkeypatch.setattr(S, "page_crc_reader", slow_reader)
+    return gate
+
+
+def test_healthz_answers_and_readyz_reports_progress_during_recovery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recovery reads no page (O(journal records)): the agent is ready at once and checks the pages
+    in the background, reporting progress on /readyz and in the metrics."""
+    config = small_config(tmp_path / "node", files=16)
+    a = AgentThread(config)
+    with connect(a.socket) as e:
+        for i in range(6):
+            put(e, [f"r{i}"], SSD)
+    a.stop()
+    gate = _stalled_scan(monkeypatch)
     agent = S.Agent(config)
     port = agent.start_http()
     loop, stop = asyncio.new_event_loop(), asyncio.Event()
@@ -296,20 +304,60 @@ def test_healthz_answers_and_readyz_reports_progress_during_recovery(
 
         def progress() -> tuple[int, str] | None:
             got = http_get(port, "/readyz")
-            return got if "of 6 pages" in got[1] else None
+            return got if "of 6" in got[1] else None
 
-        status, text = wait_until(progress, what="readyz to show recovery progress")
-        assert status == 503 and text.startswith("recovering: 0 of 6 pages checked")
-        assert http_get(port, "/healthz") == (200, "ok\n")  # still live while recovery is stuck
+        status, text = wait_until(progress, what="readyz to show the scan's progress")
+        assert status == 200 and text.startswith("ready; checking recovered pages in the background: 0 of 6")
+        assert agent.recovered.pages == 6 and "flatcake_recovery_unchecked_pages 6.0" in http_get(port, "/metrics")[1]
         gate.set()
-        wait_until(lambda: http_get(port, "/readyz")[0] == 200, what="ready after recovery")
-        assert agent.recovered.pages == 6
+        wait_until(lambda: http_get(port, "/readyz")[1] == "ready\n", what="the scan to finish")
+        assert agent.recovered.verified_pages == 6 and agent.recovered.dropped_pages == 0
     finally:
         gate.set()
         loop.call_soon_threadsafe(stop.set)
         thread.join(10)
         loop.close()
         agent.close()
+
+
+def test_a_corrupted_page_is_never_served_before_or_after_the_scan_finds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = small_config(tmp_path / "node", files=16, io={"verify_reads": "off"})
+    a = AgentThread(config)
+    keys = ["c0", "c1", "c2"]
+    with connect(a.socket) as e:
+        put(e, keys, SSD)
+        loc = a.agent.catalog.table.lookup("c1")
+    assert loc is not None
+    a.stop()
+    file, at = divmod(G.decode(loc.gva).offset, config.ssd.file_bytes)
+    with open(Path(config.ssd.dir) / f"pool-{file:05d}.dat", "r+b") as f:  # one layer of c1 rots
+        f.seek(at + 3 * loc.layer_stride)
+        f.write(b"\xff" * 4096)
+    gate = _stalled_scan(monkeypatch)
+    b = AgentThread(config)
+    try:
+        with connect(b.socket) as e:
+            # Before the scan reaches it: the lease makes the reader check every page (even with
+            # io.verify_reads off), so the damaged page is a miss and the others are served.
+            dest = np.zeros((4, 3, 4096), np.uint8)
+            restore = e.get(keys, dest)
+            restore.run()
+            assert restore.missing == {1}
+            want = fill(keys, 4, 4096)
+            assert np.array_equal(dest[:, 0], want[:, 0]) and np.array_equal(dest[:, 2], want[:, 2])
+            gate.set()
+            wait_until(lambda: b.agent.recovered.scan_done, what="the scan to finish")
+            assert b.agent.recovered.dropped_pages == 1
+            assert e.exists(keys) == 1 and e.exists(["c2"]) == 1  # c1 is gone, c2 still served
+            assert not b.agent.catalog.unverified  # scanned: leases no longer ask for checks
+            dest2 = np.zeros((4, 2, 4096), np.uint8)
+            e.get(["c0", "c2"], dest2).run()
+            assert np.array_equal(dest2[:, 1], want[:, 2])
+    finally:
+        gate.set()
+        b.stop()
 
 
 # ---- item 16 and the smaller ones: permissions and hostile paths ----------------------------------------

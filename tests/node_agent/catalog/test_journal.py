@@ -12,6 +12,7 @@ from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.service.client import connect
 from tests.support.agents import AgentThread
 from tests.support.engines import pages
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -72,6 +73,8 @@ def test_restart_drops_pages_whose_bytes_changed(agent_thread: Callable[..., Age
         f.write(b"\x00" * 4096)
     b = AgentThread(a.config)
     try:
+        # Recovery reads no page; the background scan finds the damage after the socket opens.
+        wait_until(lambda: b.agent.recovered.scan_done, what="the recovery scan to finish")
         assert b.agent.recovered.dropped_pages == 1 and b.agent.recovered.pages == 3
         with connect(b.socket) as e:
             assert e.exists(["a", "b", "c"]) == 1 and e.exists(["c"]) == 1 and e.exists(["d"]) == 1
