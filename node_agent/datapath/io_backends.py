@@ -117,6 +117,7 @@ class KvikioIO:
         self._kvikio = kvikio
         if threads:
             set_kvikio_threads(kvikio, threads)
+        self.mode = kvikio_mode(kvikio)
         self.paths = list(paths)
         self.workers = workers
         self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"flatcake-gds-{i}") for i in range(workers)]
@@ -162,6 +163,19 @@ def set_kvikio_threads(kvikio: Any, threads: int) -> None:
         defaults.set("num_threads", threads)
     else:
         defaults.num_threads_reset(threads)
+
+
+def kvikio_mode(kvikio: Any) -> str:
+    """``gds`` or ``compat``: how kvikio will move bytes, as kvikio itself resolves it. 25.06+:
+    ``defaults.is_compat_mode_preferred()`` (``compat_mode`` AUTO resolved against the cuFile driver);
+    24.x: ``defaults.compat_mode()`` (a bool in 24.10; a ``CompatMode`` from 24.12, AUTO left unresolved)."""
+    defaults = kvikio.defaults
+    if hasattr(defaults, "is_compat_mode_preferred"):
+        return "compat" if defaults.is_compat_mode_preferred() else "gds"
+    value = defaults.compat_mode()
+    if isinstance(value, bool):
+        return "compat" if value else "gds"
+    return {"ON": "compat", "OFF": "gds"}.get(getattr(value, "name", ""), "auto (unresolved)")
 
 
 def select_backend(
