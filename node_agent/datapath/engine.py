@@ -343,8 +343,11 @@ class Engine:
         """Device staging windows, made on the first GPU restore (kvikio reads land in device memory)."""
         if self._device_windows is None:
             c = self.config.io
+            # Each window is one allocation of its own, registered with cuFile where GDS is used (kvikio
+            # deregisters it when the backend closes, after its last read).
+            register = getattr(self.io, "register_buffer", None)
             self._device_windows = WindowPool(c.streams, c.staging_layers, c.staging_slot_bytes, self.stats,
-                                              gpu.device_empty)  # fmt: skip
+                                              gpu.device_empty, register)  # fmt: skip
         return self._device_windows
 
     # ---- checks ----------------------------------------------------------------------------------
@@ -410,7 +413,7 @@ class Engine:
         return self.table.usage()
 
     def close(self) -> None:
-        self.io.close()
+        self.io.close()  # waits for in-flight reads, then deregisters the staging windows from cuFile
         if self._posix is not None:
             self._posix.close()
         del self._dram3

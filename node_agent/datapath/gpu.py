@@ -92,10 +92,13 @@ def cuda_api() -> Any:
 
 
 def device_empty(nbytes: int) -> Any:
-    """Device memory for a staging slot (cudaMalloc through cupy's allocator)."""
+    """Device memory for a staging window, in a cudaMalloc of its own rather than carved from cupy's pool:
+    cuFile registers whole allocations (``kvikio.memory_register``), so a window must share one with
+    nothing else, or a second window's registration would find its allocation registered already."""
     import cupy
 
-    return cupy.empty(nbytes, dtype=cupy.uint8)
+    memory = cupy.cuda.Memory(nbytes)
+    return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
 def is_device_array(x: Any) -> bool:

@@ -6,6 +6,7 @@ run in parallel and one worker's commands never contend for a descriptor.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Sequence
@@ -118,6 +119,7 @@ class KvikioIO:
         if threads:
             set_kvikio_threads(kvikio, threads)
         self.mode = kvikio_mode(kvikio)
+        self._registered: list[Any] = []  # buffers registered with cuFile, deregistered on close
         self.paths = list(paths)
         self.workers = workers
         self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"flatcake-gds-{i}") for i in range(workers)]
@@ -145,13 +147,35 @@ class KvikioIO:
 
         return self._pools[w].submit(run)
 
+    def register_buffer(self, buf: Any) -> None:
+        """Register a staging window (one device allocation, reused by every read of the restores that
+        hold it) with cuFile, so GDS DMAs into it without pinning it per read. Compat mode moves bytes
+        through kvikio's bounce buffers instead: nothing to register there."""
+        if self.mode != "gds":
+            return
+        memory_api(self._kvikio)[0](buf)
+        self._registered.append(buf)
+
     def close(self) -> None:
         for pool in self._pools:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=True)  # every read has landed: the windows may be deregistered
+        deregister = memory_api(self._kvikio)[1] if self._registered else None
+        while self._registered:
+            deregister(self._registered.pop())  # type: ignore[misc]
         for files in self._files:
             for handle in files.values():
                 handle.close()
             files.clear()
+
+
+def memory_api(kvikio: Any) -> tuple[Any, Any]:
+    """kvikio's cuFile buffer (de)registration: ``kvikio.memory_register`` / ``memory_deregister`` (26.06+,
+    the pinned 26.10), ``kvikio.buffer.memory_register`` / ``memory_deregister`` before that. Each takes a
+    device array and (de)registers the whole CUDA allocation holding it."""
+    if hasattr(kvikio, "memory_register"):
+        return kvikio.memory_register, kvikio.memory_deregister
+    buffer = importlib.import_module(f"{kvikio.__name__}.buffer")
+    return buffer.memory_register, buffer.memory_deregister
 
 
 def set_kvikio_threads(kvikio: Any, threads: int) -> None:

@@ -34,20 +34,31 @@ Scatter = Callable[[int, Any, Ints, Ints, Ints], None]
 
 
 class Window:
+    """One allocation cut into ``slots`` slots: one buffer to register with cuFile, whole."""
+
     def __init__(self, slots: int, slot_bytes: int, alloc: Callable[[int], Any]) -> None:
         self.slot_bytes = slot_bytes
-        self.slots = [alloc(slot_bytes) for _ in range(slots)]
+        self.buffer = alloc(slots * slot_bytes)
+        self.slots = [self.buffer[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slots)]
 
 
 class WindowPool:
-    """At most ``streams`` windows exist; a restore that finds none free waits for one."""
+    """At most ``streams`` windows exist; a restore that finds none free waits for one. ``on_new(buffer)``
+    runs once per window made, before any read lands in it (the GPU path registers it with cuFile)."""
 
     def __init__(
-        self, streams: int, slots: int, slot_bytes: int, stats: Stats, alloc: Callable[[int], Any] = aligned_empty
+        self,
+        streams: int,
+        slots: int,
+        slot_bytes: int,
+        stats: Stats,
+        alloc: Callable[[int], Any] = aligned_empty,
+        on_new: Callable[[Any], None] | None = None,
     ) -> None:
         self._free: list[Window] = []
         self._made = 0
         self._streams, self._slots, self._slot_bytes, self._alloc = streams, slots, slot_bytes, alloc
+        self._on_new = on_new
         self._cond = threading.Condition()
         self._stats = stats
 
@@ -59,7 +70,16 @@ class WindowPool:
             if self._free:
                 return self._free.pop()
             self._made += 1
-        return Window(self._slots, self._slot_bytes, self._alloc)
+        try:
+            window = Window(self._slots, self._slot_bytes, self._alloc)
+            if self._on_new is not None:
+                self._on_new(window.buffer)
+        except BaseException:
+            with self._cond:
+                self._made -= 1
+                self._cond.notify()
+            raise
+        return window
 
     def release(self, window: Window) -> None:
         with self._cond:
