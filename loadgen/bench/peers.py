@@ -130,6 +130,34 @@ def page_bytes_for(key: str, layers: int, raw: int, page_bytes: int) -> np.ndarr
     return out
 
 
+def reused_later(w: Workload) -> dict[str, bool]:
+    """For every stored page, whether a later request (in the workload's order) asks for it again: its own
+    session's next turns (whose prompts hold every earlier turn) or another session sharing it. What a
+    placement decision at write time bets on: DRAM for pages read again soon, SSD for the rest."""
+    first: set[str] = set()
+    reused: dict[str, bool] = {}
+    for i, t in w.order:
+        session = w.sessions[i]
+        for key in (k for turn in session.turns[: t + 1] for k in turn):
+            if key in first:
+                reused[key] = True
+        for key in session.turns[t]:
+            if key not in first:
+                first.add(key)
+                reused.setdefault(key, False)
+    return reused
+
+
+def placement_accuracy(media: Sequence[str | None], reused: Sequence[bool]) -> dict[str, list[int]]:
+    """``{medium: [pages placed there, of which reused later]}`` over the stored pages."""
+    out = {"dram": [0, 0], "ssd": [0, 0]}
+    for medium, again in zip(media, reused, strict=True):
+        if medium is not None:
+            out[medium][0] += 1
+            out[medium][1] += int(again)
+    return out
+
+
 def _crc(page: np.ndarray) -> int:
     crc = 0
     for layer in page:
@@ -213,6 +241,11 @@ def run_system(
             system.put(keys, kv, hints)
             put_seconds += time.perf_counter() - started
             put_bytes += len(keys) * m.layers * raw
+        placement = None
+        placed = getattr(system, "placement", None)  # systems that place pages by medium (FlatCake)
+        if placed is not None:
+            reused = reused_later(w)
+            placement = placement_accuracy(placed(list(reused)), list(reused.values()))
         started = time.perf_counter()
         os.sync()  # what is not on the device yet gets there now
         system.prepare()  # a system that settles writes in the background (Mooncake's offload) ends here
@@ -255,7 +288,9 @@ def run_system(
             "peak_staging_bytes": c.staging_peak_bytes, "read_amplification": device_reads / requested,
             "device_read_bytes": device_reads, "read_commands": c.read_commands, "verified_pages": verified,
             "corrupt_pages": corrupt_pages, "missing_pages": missing, "restored_pages": restored,
-            "written_bytes": put_bytes, "dropped_caches": dropped,
+            "written_bytes": put_bytes, "dropped_caches": dropped, "placement": placement,
+            # Whether a request's first layer was usable before its last: only systems that yield layers.
+            "layers_streamed": bool(timings) and all(t.layer_seconds for t in timings),
         }  # fmt: skip
     finally:
         system.close()
@@ -358,6 +393,14 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         out[key], out[f"{key}_min"], out[f"{key}_max"] = statistics.median(values), min(values), max(values)
     for key in ("verified_pages", "corrupt_pages", "missing_pages", "read_commands", "device_read_bytes"):
         out[key] = sum(int(r[key]) for r in results)
+    out["layers_streamed"] = all(r.get("layers_streamed", False) for r in results)
+    if all(r.get("placement") for r in results):
+        out["placement"] = {}
+        for medium in ("dram", "ssd"):
+            placed = sum(r["placement"][medium][0] for r in results)
+            again = sum(r["placement"][medium][1] for r in results)
+            out["placement"][medium] = {"placed": placed, "reused": again,
+                                        "reused_fraction": again / placed if placed else None}  # fmt: skip
     return out
 
 
@@ -397,7 +440,19 @@ def format_table(report: dict[str, Any]) -> str:
         )
     lines.append("")
     lines.extend(f"{k:<36} {v:.3f}" for k, v in report["ratios"].items())
+    whole = [n for n, s in report["systems"].items() if s["ran"] and not s.get("layers_streamed")]
+    if whole:
+        lines += ["", f"1st layer = whole request (no layer streaming): {', '.join(whole)}"]
+    for name, s in report["systems"].items():
+        if s.get("placement"):
+            parts = [f"{m.upper()} {p['placed']} placed, {_share(p['reused_fraction'])} reused later"
+                     for m, p in s["placement"].items()]  # fmt: skip
+            lines.append(f"placement, {name}: {'; '.join(parts)}")
     return "\n".join(lines)
+
+
+def _share(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.0%}"
 
 
 def markdown(report: dict[str, Any], plots: Sequence[str]) -> str:

@@ -11,7 +11,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flatcake.loadgen.systems.base import Array, MiB, RequestTiming, RestoreCounters, SystemSpec
-from flatcake.node_agent import DramConfig, Engine, EngineConfig, Hints, IOConfig, Key, SsdConfig, round_up
+from flatcake.node_agent import (
+    SSD_THRESHOLD,
+    DramConfig,
+    Engine,
+    EngineConfig,
+    Hints,
+    IOConfig,
+    Key,
+    SsdConfig,
+    round_up,
+)
 
 
 def engine_config(spec: SystemSpec, pool_dir: Path, dram: DramConfig, streams: int = 1) -> EngineConfig:
@@ -83,8 +93,17 @@ class FlatCakeSystem:
             list(self._timings),
         )
 
+    def placement(self, keys: Sequence[Key]) -> list[str | None]:
+        """The medium each stored page was placed on (``None``: not stored)."""
+        return [None if loc is None else medium_of(loc.gva) for loc in self.engine.table.lookup_many(keys)]
+
     def segments(self) -> int:
         return sum(s.segments for s in self.engine.table.scopes.values())
 
     def close(self) -> None:
         self.engine.close()
+
+
+def medium_of(gva: int) -> str:
+    """``dram`` or ``ssd``: the medium is the GVA's top field (``policy/gva.py``)."""
+    return "ssd" if gva >= SSD_THRESHOLD else "dram"

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from flatcake.loadgen.systems.base import Array, RequestTiming, RestoreCounters, SystemSpec
-from flatcake.loadgen.systems.flatcake import engine_config
+from flatcake.loadgen.systems.flatcake import engine_config, medium_of
 from flatcake.node_agent import (
     AgentConfig,
     ConfigError,
@@ -155,7 +155,9 @@ class _SGLangSystem:
             got += hit
             if hit < len(batch):
                 break  # a prefix cache stops at the first miss
-        took = time.perf_counter() - started  # whole requests: the first layer arrives with the last
+        # Whole requests: SGLang's storage -> host interface (batch_get_v1 per batch of pages) has no notion of
+        # layers, so the first layer is usable when the last is (docs/benchmarks.md, `bench peers`).
+        took = time.perf_counter() - started
         self._counters.requests.append(RequestTiming(took, took))
         for j in range(got):
             self.pool.read(j, dest, j if dest_pages is None else dest_pages[j])
@@ -232,6 +234,15 @@ class FlatCakeSGLangSystem(_SGLangSystem):
         for lo in range(0, len(chain), BATCH):
             self.backend.batch_exists(chain[lo : lo + BATCH], HiCacheStorageExtraInfo(prefix_keys=prefix))
             prefix = prefix + chain[lo : lo + BATCH]
+
+    def placement(self, keys: Sequence[Key]) -> list[str | None]:
+        """The medium the agent placed each page on, asked of its index under the backend's key names."""
+        catalog: Any = self.backend.engine.catalog  # the agent's (RemoteCatalog): lookup answers locations
+        out: list[str | None] = []
+        for key in keys:
+            hit, gva, _ = catalog.lookup([str(key) + self.backend.suffix])
+            out.append(medium_of(gva[0]) if hit else None)
+        return out
 
     def get_pages(self, keys: list[str], slots: range) -> int:
         ok = self.backend.batch_get_v1(keys, self._indices(slots))
