@@ -397,8 +397,9 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:  # fmt: skip
         """The stored KV prefix, cut by each sidecar pool's hit policy (``PoolHitPolicy``): ALL_PAGES needs
         every page of the prefix, TRAILING_PAGES the last ``len(keys)`` pages before a prefix length
-        (so restorable lengths can be sparse: ``restorable_prefix_pages``). BLOCK_GROUPS pools get no
-        verdict (SGLang then heals them from the folded cut)."""
+        (so restorable lengths can be sparse: ``restorable_prefix_pages``). BLOCK_GROUPS (a second form of
+        the KV pages, e.g. compressed blocks: ``group_pages`` keys per block of ``block_pages`` KV pages) reports
+        the KV pages its leading complete groups cover, within the KV prefix, and never cuts the KV hit."""
         kv_hit = self.batch_exists(keys, extra_info)
         hits: dict[str, int] = {KV: kv_hit} if kv_hit else {}
         restorable = set(range(1, kv_hit + 1))
@@ -406,9 +407,14 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         try:
             for t in pool_transfers or []:
                 name = str(t.name)
-                if name == KV or t.hit_policy == PoolHitPolicy.BLOCK_GROUPS or not restorable:
+                if name == KV or not restorable:
                     continue
                 chunks = self._chunks(name)
+                if t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+                    covered = self._block_groups(name, t, kv_hit)
+                    if covered:
+                        hits[name] = covered
+                    continue
                 if t.hit_policy == PoolHitPolicy.ALL_PAGES:
                     boundary = engine.exists(self._sidecar_names(name, keys[:kv_hit])) // chunks
                     ok = set(range(1, boundary + 1))
@@ -426,6 +432,49 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         pages = sorted(restorable)
         return PoolTransferResult(pages[-1] if pages else 0, hits, pages)
 
+    def _sidecar_target(self, name: str, pool: Any, starts: Sequence[int]) -> PagedTarget | None:
+        """The sidecar pages at token indexes ``starts`` as a restore destination in the pool's own memory, or
+        None where the pool's flat pages are not views of one CPU buffer (a pool that assembles or copies
+        them keeps ``set_from_flat_data_page``). Chunk ``c`` of a page lands at ``c x layers x page_bytes``
+        of its flat bytes, layer by layer, cut at the page's end (``PagedTarget`` limits)."""
+        if not starts:
+            return None
+        flat_bytes = self._sidecar_geometry[name][0]
+        views = [pool.get_data_page(s, flat=True) for s in starts]
+        first = views[0]
+        if not isinstance(first, torch.Tensor) or first.device.type != "cpu":
+            return None
+        storage = first.untyped_storage()
+        # A pool that copies answers each call with a new tensor of its own: ask twice, same storage or no.
+        again = pool.get_data_page(starts[0], flat=True)
+        if again.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        for v in views:
+            if (not v.is_contiguous() or v.untyped_storage().data_ptr() != storage.data_ptr()
+                    or v.numel() * v.element_size() != flat_bytes):  # fmt: skip
+                return None
+        memory: npt.NDArray[np.uint8] = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        base = int(memory.ctypes.data)
+        span, chunks = self.layers * self.page_bytes, self._chunks(name)
+        offsets = [v.data_ptr() - base + c * span for v in views for c in range(chunks)]
+        limits = [flat_bytes - c * span for _ in views for c in range(chunks)]
+        return PagedTarget(memory, self.layers, offsets, self.page_bytes, [0], self.page_bytes, limits)
+
+    def _block_groups(self, name: str, t: PoolTransfer, kv_hit: int) -> int:
+        """KV pages covered by the leading groups of ``t.keys`` stored whole: group g is keys
+        ``[g * group_pages, (g + 1) * group_pages)`` and covers KV pages ``[g * block_pages, (g + 1) * block_pages)``;
+        only groups whose block lies inside the KV prefix count (hicache_storage.py ``PoolHitPolicy``)."""
+        group, block = int(t.group_pages), int(t.block_pages)
+        if group < 1 or block < 1:
+            log.error("FlatCake storage: exists %s: block_groups needs group_pages and block_pages >= 1 (got %d, %d)",
+                      name, group, block)  # fmt: skip
+            return 0
+        keys = list(t.keys or [])
+        groups = min(len(keys) // group, kv_hit // block)
+        names = self._sidecar_names(name, keys[: groups * group])
+        stored = self._engine().exists(names) // (self._chunks(name) * group) if names else 0
+        return stored * block
+
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:  # fmt: skip
         out: dict[str, list[bool]] = {}
@@ -441,6 +490,12 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
                 continue
             chunks = self._chunks(name)
             flat_bytes, dtype = self._sidecar_geometry[name]
+            starts = [int(t.host_indices[i * page_size]) for i in range(len(keys))]
+            target = self._sidecar_target(name, pool, starts)
+            if target is not None:  # in place: the restore's scatter writes each chunk into the pool's page
+                ok = self._restore(self._sidecar_names(name, keys), target.head)
+                out[name] = [all(ok[i * chunks : (i + 1) * chunks]) for i in range(len(keys))]
+                continue
             dest, ok = self._get(keys, self._sidecar_names(name, keys))
             # [layers][entries][page_bytes] -> [entries][layers * page_bytes]: a chunk's bytes in order
             by_chunk = dest.transpose(1, 0, 2).reshape(dest.shape[1], -1)
@@ -451,7 +506,7 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
                     continue
                 raw = np.ascontiguousarray(by_chunk[i * chunks : (i + 1) * chunks]).reshape(-1)[:flat_bytes]
                 page = torch.from_numpy(raw.copy()).view(dtype)
-                pool.set_from_flat_data_page(int(t.host_indices[i * page_size]), page)
+                pool.set_from_flat_data_page(starts[i], page)
                 result.append(True)
             # SGLang counts a pool's hits as the leading run of successes (count_pool_hits)
             out[name] = result

@@ -95,3 +95,31 @@ def test_layers_out_of_order_fail_the_page_instead_of_a_wrong_verdict() -> None:
     v.staged(1, buf, one * 0, one * 0, one)  # layer 1 before layer 0
     v.staged(0, buf, one * 0, one * 0, one)
     assert v.failed(set()) == {0}
+
+
+def test_limits_keep_a_chunked_flat_page_inside_its_own_bytes(make_engine: Make) -> None:
+    """A flat page of 2.5 chunks of ``LAYERS x PAGE_BYTES``: chunk c of page i lands at ``i * flat + c * span``,
+    the third chunk only half; the bytes after each page (the next page's) are never written."""
+    e = make_engine(page_bytes=PAGE_BYTES, io={"verify_reads": "all"})
+    span = LAYERS * PAGE_BYTES
+    flat, chunks, n = 2 * span + span // 2, 3, 2
+    kv = pages(LAYERS, n * chunks, PAGE_BYTES, 11)
+    ssd, dram = pages(LAYERS, chunks, PAGE_BYTES), pages(LAYERS, chunks, PAGE_BYTES)
+    ssd[...], dram[...] = kv[:, :chunks], kv[:, chunks:]
+    e.put([f"a/{c}" for c in range(chunks)], ssd)
+    assert e.put([f"b/{c}" for c in range(chunks)], dram, Hints(prefix_refcount=2)).medium is G.Medium.DRAM
+    memory = np.full(n * flat + 4096, 0xA5, np.uint8)  # pages back to back, then bytes nobody owns
+    offsets = [i * flat + c * span for i in range(n) for c in range(chunks)]
+    limits = [flat - c * span for _ in range(n) for c in range(chunks)]
+    target = PagedTarget(memory, LAYERS, offsets, PAGE_BYTES, [0], PAGE_BYTES, limits)
+    names = [f"{k}/{c}" for k in "ab" for c in range(chunks)]
+    with e.get(names, target) as restore:
+        assert restore.run() == set()
+    for i in range(n):  # the flat page is its chunks' layers in order, cut at its end
+        want = kv[:, i * chunks : (i + 1) * chunks].transpose(1, 0, 2).reshape(-1)[:flat]
+        assert np.array_equal(memory[i * flat : (i + 1) * flat], want), i
+    assert (memory[n * flat :] == 0xA5).all()
+    assert len(target.read(LAYERS - 1, 2)) == 0 and len(target.read(1, 2)) == PAGE_BYTES  # what page 0 chunk 2 owns
+    assert target.head(1).slots == 1
+    with pytest.raises(ValueError, match="limits"):
+        PagedTarget(memory, LAYERS, offsets, PAGE_BYTES, [0], PAGE_BYTES, limits[:-1])
