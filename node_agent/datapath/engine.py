@@ -75,11 +75,14 @@ def local_table(c: EngineConfig) -> ScopeTable:
     )
 
 
-def _runs(slots: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
-    """``[a, b)`` index ranges over which ``slots`` counts up by one."""
+def _runs(slots: npt.NDArray[np.int64], also: npt.NDArray[np.int64] | None = None) -> list[tuple[int, int]]:
+    """``[a, b)`` index ranges over which ``slots`` (and ``also``, when given) count up by one."""
     if not len(slots):
         return []
-    cut = np.flatnonzero(np.diff(slots) != 1) + 1
+    step = np.diff(slots) != 1
+    if also is not None:
+        step |= np.diff(also) != 1
+    cut = np.flatnonzero(step) + 1
     bounds = [0, *cut.tolist(), len(slots)]
     return list(itertools.pairwise(bounds))
 
@@ -285,6 +288,8 @@ class Engine:
 
         dram3 = self._dram3
         runs = _runs(dram_src) if paged else []
+        # GPU: runs consecutive in both the pool and the destination, each one 2-D copy per layer.
+        pair_runs = _runs(dram_src, dram_dst) if on_gpu else []
 
         order = StreamOrder(gpu.cuda_api()) if on_gpu else None
 
@@ -296,9 +301,12 @@ class Engine:
                     s0 = int(dram_src[a])
                     dest.write(layer, dram_dst[a:b], dram3[s0 : s0 + b - a, layer])
                 return
-            if order is not None:  # one H2D copy from the pinned pool, on the restore's stream
-                with order.stream:
-                    dest[layer, dram_dst] = gpu.to_device(dram3[dram_src, layer])
+            if order is not None:  # straight from the pinned pool, on the restore's stream
+                row, base = c.page_bytes, gpu.device_ptr(dest) + layer * dest.shape[1] * c.page_bytes
+                for a, b in pair_runs:
+                    src = int(dram3[int(dram_src[a]), layer].ctypes.data)
+                    gpu.copy_rows_to_device(base + int(dram_dst[a]) * row, row, src, c.layers * row, row, b - a,
+                                            order.stream)  # fmt: skip
                 return
             dest[layer, dram_dst] = dram3[dram_src, layer]  # host to host
 

@@ -112,10 +112,19 @@ def as_device_array(x: Any) -> Any:
     return cupy.asarray(x)
 
 
-def to_device(host: Any) -> Any:
+def device_ptr(x: Any) -> int:
+    """The device address of a cupy array's first byte."""
+    return int(x.data.ptr)
+
+
+def copy_rows_to_device(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int, stream: Any) -> None:
+    """``rows`` rows of ``width`` bytes from host ``src`` (rows ``src_pitch`` apart: a DRAM page's layer among
+    its other layers) to device ``dst`` (rows ``dst_pitch`` apart), as one ``cudaMemcpy2DAsync`` on ``stream``.
+    From the pinned pool this is one DMA straight from the pool: no host gather, no pageable staging."""
     import cupy
 
-    return cupy.asarray(host)
+    rt = cupy.cuda.runtime
+    rt.memcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, rt.memcpyHostToDevice, stream.ptr)
 
 
 _SCATTER_SRC = r"""

@@ -2,10 +2,13 @@
 with a stand-in kvikio module (``CuFile`` reads the pool files with ``pread``; ``memory_register`` and
 ``memory_deregister`` are logged next to every read) and host memory standing in for the device (the
 ``gpu`` module's device allocation, kernel, stream and copies are patched to numpy). Nothing here runs on a
-GPU or calls cuFile: the claim is the order of calls, not what the driver does with them."""
+GPU or calls cuFile: the claim is the order of calls, not what the driver does with them. The DRAM pages'
+copies to the device are checked the same way: ``copy_rows_to_device`` (``cudaMemcpy2DAsync``) is done with
+``memmove`` on host memory, so the address arithmetic is what is tested."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import types
@@ -88,7 +91,15 @@ def on_fake_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(gpu, "is_device_array", lambda x: isinstance(x, DeviceArray))
     monkeypatch.setattr(gpu, "cuda_api", lambda: cuda)
     monkeypatch.setattr(gpu, "device_empty", aligned_empty)
-    monkeypatch.setattr(gpu, "to_device", lambda host: host)
+    monkeypatch.setattr(gpu, "device_ptr", lambda x: x.host.ctypes.data)
+
+    def copy_rows(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int, stream: Any) -> None:
+        assert isinstance(stream, cuda.Stream), "a DRAM copy must run on the restore's stream"
+        cuda.log.append(("h2d_rows", rows))
+        for r in range(rows):  # what cudaMemcpy2DAsync does, on host memory
+            ctypes.memmove(dst + r * dst_pitch, src + r * src_pitch, width)
+
+    monkeypatch.setattr(gpu, "copy_rows_to_device", copy_rows)
 
     def scatter(src: np.ndarray, dst: np.ndarray, src_off: Any, dst_off: Any, length: Any) -> None:
         for s, d, n in zip(src_off.tolist(), dst_off.tolist(), length.tolist(), strict=True):
@@ -165,3 +176,25 @@ def test_a_failed_registration_fails_the_restore_and_frees_the_window_count(
             engine.get(["a"], DeviceArray((4, 1, 4096))).run()
     engine.close()
     assert [op for op, _ in log].count("read") == 0
+
+
+def test_dram_pages_reach_the_device_as_one_2d_copy_per_run_and_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_fake_gpu: FakeCuda
+) -> None:
+    monkeypatch.setitem(sys.modules, "kvikio", fake_kvikio([], compat=True))
+    config = small_config(tmp_path, dram_bytes=16 * 4 * 4096)
+    pool = create_pool(config.ssd.dir, config.ssd.file_count, config.ssd.file_bytes)
+    engine = Engine(config, io=KvikioIO([str(Path(config.ssd.dir) / f) for f in pool.files], 2, 4))
+    kv = pages(4, 6, 4096, seed=5)
+    assert engine.put([f"d{i}" for i in range(6)], kv, Hints(prefix_refcount=2)).medium is not None
+    dest = DeviceArray((4, 9, 4096))
+    # Pool slots 0..5 in order; destination pages 2,3,4 then 8, then 0,1: three runs in both.
+    with engine.get([f"d{i}" for i in range(6)], dest, [2, 3, 4, 8, 0, 1]) as restore:
+        assert restore.run() == set()
+    assert engine.stats.get("restore_pages_dram") == 6
+    for i, page in enumerate([2, 3, 4, 8, 0, 1]):
+        assert np.array_equal(dest.host[:, page], kv[:, i]), page
+    assert not dest.host[:, [5, 6, 7]].any()
+    copies = [n for op, n in on_fake_gpu.log if op == "h2d_rows"]
+    assert copies == [3, 1, 2] * 4  # per layer, one copy per run
+    engine.close()
