@@ -149,7 +149,7 @@ class Device(Protocol):
 
     def empty(self, shape: tuple[int, ...]) -> Any: ...
     def synchronize(self) -> None: ...
-    def raw_read(self, path: Path, dest: Any, nbytes: int, workers: int) -> None: ...
+    def raw_read(self, path: Path, dest: Any, nbytes: int) -> None: ...
     def to_host(self, array: Any) -> npt.NDArray[Any]: ...
     def mode(self, engine: Engine) -> dict[str, Any]: ...
 
@@ -166,7 +166,7 @@ class HostDevice:
     def synchronize(self) -> None:
         pass
 
-    def raw_read(self, path: Path, dest: Any, nbytes: int, workers: int) -> None:
+    def raw_read(self, path: Path, dest: Any, nbytes: int) -> None:
         view = memoryview(dest.reshape(-1)).cast("B")
         fd = open_direct(path)
         try:
@@ -204,7 +204,7 @@ class CudaDevice:
     def synchronize(self) -> None:
         self.xp.cuda.runtime.deviceSynchronize()
 
-    def raw_read(self, path: Path, dest: Any, nbytes: int, workers: int) -> None:
+    def raw_read(self, path: Path, dest: Any, nbytes: int) -> None:
         # One read call: kvikio splits it into task_size pieces on its thread pool (sized by the engine).
         with self._kvikio.CuFile(str(path), "r") as f:
             got = int(f.read(dest.reshape(-1)[:nbytes], nbytes, 0))
@@ -352,7 +352,7 @@ def run(plan: Plan, device: Device, log: Callable[[str], None], dry_run: bool) -
 
             _drop_cache([raw])
             t0 = time.perf_counter()
-            device.raw_read(raw, dest, plan.path_bytes, plan.workers)
+            device.raw_read(raw, dest, plan.path_bytes)
             device.synchronize()
             raw_s = time.perf_counter() - t0
             raw_gbps = plan.path_bytes / raw_s / 1e9
