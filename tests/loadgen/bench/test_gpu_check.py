@@ -99,3 +99,44 @@ def test_without_cuda_the_device_run_names_the_fix(tmp_path: Path, monkeypatch: 
     err = capsys.readouterr().err
     assert "no usable GPU" in err and "--dry-run" in err and "requirements/gpu.txt" in err
     assert not (tmp_path / "x").exists()  # nothing written before the device was found
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for the device machine's python: cupy of CUDA $FAKE_CUDA (none when empty), no kvikio.
+case "$*" in
+  "-c import cupy, kvikio") exit 1 ;;
+  "-c import cupy; print"*) [ -n "$FAKE_CUDA" ] && echo "$FAKE_CUDA" && exit 0; exit 1 ;;
+  "-m pip install"*)
+    all="$*"; echo "pip ${all%% -r *}" >> "$LOG"; while [ $# -gt 0 ]; do [ "$1" = -r ] && cp "$2" "$LOG.req"; shift; done ;;
+  "-m flatcake.loadgen.bench.gpu_check"*) echo "check $*" >> "$LOG" ;;
+  *) exec "$REAL_PYTHON" "$@" ;;
+esac
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("cuda", "wanted"), [
+    ("13", ["kvikio-cu13==26.10.0", "libkvikio-cu13==26.10.0", "rapids-logger==0.3.0"]),
+    ("12", ["kvikio-cu12==26.10.0", "libkvikio-cu12==26.10.0", "rapids-logger==0.3.0"]),
+    ("", None),  # no cupy: requirements/gpu.txt whole
+])  # fmt: skip
+def test_the_wrapper_installs_kvikio_for_the_installed_cupy_or_the_whole_cuda_12_closure(
+    tmp_path: Path, cuda: str, wanted: list[str] | None
+) -> None:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "log"
+    env = {**os.environ, "FLATCAKE_PYTHON": str(fake), "REAL_PYTHON": sys.executable, "FAKE_CUDA": cuda,
+           "LOG": str(log), "FLATCAKE_WHEELS": str(tmp_path / "wheels")}  # fmt: skip
+    done = subprocess.run(["bash", str(ROOT / "bin" / "gpu-check"), "--gib", "2"], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    pip = f"pip -m pip install -q --disable-pip-version-check --no-deps --no-index --find-links {tmp_path / 'wheels'}"
+    assert log.read_text().splitlines() == [pip, "check -m flatcake.loadgen.bench.gpu_check --gib 2"]
+    got = Path(f"{log}.req").read_text().split()
+    if wanted is None:
+        lock = (ROOT / "requirements" / "gpu.txt").read_text().splitlines()
+        wanted = [line for line in lock if line and not line.startswith("#")]
+        assert "cupy-cuda12x==14.2.0" in wanted
+    assert got == wanted
