@@ -1325,6 +1325,9 @@ def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before any pool is made: a bad address costs nothing."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port: {port} is not a TCP port (0..65535; 0 picks a free one)")
+    if not host or "/" in host:  # a URL (the load generator's --host takes one) or nothing
+        raise ConfigError(f"--host: {host!r} is not an address to listen on; expected an IP address or a name, "
+                          "without scheme or port (e.g. 127.0.0.1, ::1, or 0.0.0.0 for every interface)")  # fmt: skip
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE

@@ -47,7 +47,7 @@ def test_a_bad_host_says_what_was_expected(capsys: pytest.CaptureFixture[str]) -
     assert cli.main(["loadgen", "run", "--host", "127.0.0.1:8000", "--trace", "t.jsonl", "--qps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == (
-        "flatcake: error: host: '127.0.0.1:8000' is not a base URL; expected http://HOST:PORT, e.g. http://127.0.0.1:8000"
+        "flatcake: error: --host: '127.0.0.1:8000' is not a base URL; expected http://HOST:PORT, e.g. http://127.0.0.1:8000"
     )
 
 
