@@ -37,6 +37,12 @@ def test_the_emulators_help_defaults_are_its_configs() -> None:
     assert {k: fields[k] for k in cli.EMULATOR_DEFAULTS} == cli.EMULATOR_DEFAULTS
 
 
+def test_the_api_choices_are_the_load_generators() -> None:
+    from flatcake.loadgen.replay.requests import APIS
+
+    assert list(APIS) == cli.API_CHOICES
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["--version"])

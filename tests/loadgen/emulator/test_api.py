@@ -18,7 +18,7 @@ import pytest
 
 from flatcake.loadgen import tokens
 from flatcake.loadgen.emulator.server import EmulatorConfig, chat_prompt, output_token
-from flatcake.loadgen.replay.requests import body, prompt_tokens, read_stream
+from flatcake.loadgen.replay.requests import body, path, prompt_tokens, read_stream
 from flatcake.loadgen.traces.formats import TraceRequest
 from tests.support import bench_serving
 from tests.support.emulators import Server
@@ -197,6 +197,22 @@ def test_the_openai_client(emulator: Server) -> None:
         raw = [f"data: {json.dumps(e)}".encode() for e in events(emulator, "/v1/completions", req)]
         ttft, chunks_seen, usage = read_stream("openai", iter(raw), 0.0)
         assert ttft is not None and chunks_seen == 2 and usage["output"] == 2
+
+
+def test_the_load_generators_chat_requests(emulator: Server) -> None:
+    """``loadgen run --api chat``: the trace prompt as one user message; two requests sharing a trace
+    prefix share a cached page through the chat template."""
+    first, second = (prompt_tokens(TraceRequest(0, 700, 1, ids)) for ids in ((11, 12), (11, 13)))
+    assert first[:512] == second[:512] and first != second
+    seen = []
+    for ids in (first, second):
+        req = body("chat", ids, 2)
+        assert path("chat") == "/v1/chat/completions" and req["messages"][0]["content"] == tokens.decode(ids)
+        raw = [f"data: {json.dumps(e)}".encode() for e in events(emulator, path("chat"), req)]
+        ttft, chunks_seen, usage = read_stream("chat", iter(raw), 0.0)
+        assert ttft is not None and chunks_seen == 2 and usage["output"] == 2
+        seen.append(usage["cached"])
+    assert seen[1] >= 256  # the shared 512 trace tokens hold at least one whole page after the template
 
 
 def test_the_chat_template_makes_a_conversation_a_growing_prefix() -> None:
