@@ -1,4 +1,4 @@
-"""``python -m flatcake``: the same command line as ``flatcake``."""
+"""``python -m flatcake``: the ``flatcake`` command, for environments without the console script."""
 
 import sys
 

@@ -413,10 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
     lrun.add_argument("locust_args", nargs="*", metavar="-- LOCUST_FLAGS",
                       help="after --, Locust's own flags, passed through (e.g. -- --csv-full-history)")  # fmt: skip
     lrun.add_argument("--limit", type=int, help="replay only the first N requests")
-    lrun.add_argument("--api", choices=["openai", "sglang"], default="openai")
+    lrun.add_argument("--api", choices=API_CHOICES, default="openai", help=API_HELP)
     lrun.add_argument("--max-output", type=int, default=16, dest="max_output")
     lrun.add_argument("--prompt-format", choices=["ids", "text"], default="ids", dest="prompt_format",
-                      help="token ids, or text under the emulator's rule (4 characters a token)")  # fmt: skip
+                      help="token ids, or text under the emulator's rule (4 characters a token); "
+                           "--api chat always sends text")  # fmt: skip
     lrun.add_argument("--users", type=int, default=64, help="concurrent Locust users (in flight at most)")
     lrun.add_argument("--role", choices=["local", "master", "worker"], default="local")
     lrun.add_argument("--master-host", default="127.0.0.1", dest="master_host")
@@ -437,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--master-host", default="127.0.0.1", dest="master_host")
     lb.add_argument("--master-port", type=int, default=5557, dest="master_port")
     lb.add_argument("--limit", type=int, help="replay only the first N requests")
-    lb.add_argument("--api", choices=["openai", "sglang"], default="openai", help="/v1/completions or /generate")
+    lb.add_argument("--api", choices=API_CHOICES, default="openai", help=API_HELP)
     lb.add_argument("--max-output", type=int, default=16, dest="max_output")
     lb.add_argument("--users", type=int, default=64, help="concurrent Locust users per run")
     lb.add_argument("--page-tokens", type=int, default=256, dest="page_tokens", help="page size for the ideal line")
@@ -515,6 +516,11 @@ class _HelpFormatter(argparse.HelpFormatter):
             text += " (default: %(default)s)"
         return text
 
+
+# flatcake.loadgen.replay.requests.APIS, without importing the load generator (numpy) on every command;
+# tests/flatcake/test_cli.py checks they agree.
+API_CHOICES = ["openai", "chat", "sglang"]
+API_HELP = "openai: /v1/completions, chat: /v1/chat/completions, sglang: /generate"
 
 # EmulatorConfig's defaults, for --help without importing the emulator (numpy, aiohttp) on every
 # command; tests/flatcake/test_cli.py checks they are the dataclass's.

@@ -23,11 +23,8 @@ not modelled. Each measurement runs in a process of its own, as in ``bench peers
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from flatcake.loadgen.bench import worker
 from flatcake.loadgen.bench.peers import _device_reads, drop_caches, make_system
 from flatcake.loadgen.models import ModelPreset, gpu_profile, preset
 from flatcake.loadgen.systems.base import SystemSpec, pids
@@ -216,36 +214,14 @@ def measure(system: str, directory: Path, cfg: ContextConfig, tokens: int) -> di
         store.close()
 
 
-def worker_main() -> int:
-    """``python -m flatcake.loadgen.bench.context``: one measurement from a JSON job on stdin."""
-    job = json.loads(sys.stdin.read())
-    fields: dict[str, Any] = dict(job["config"])
-    fields["tokens"], fields["systems"] = tuple(fields["tokens"]), tuple(fields["systems"])
-    try:
-        result = measure(job["system"], Path(job["directory"]), ContextConfig(**fields), job["tokens"])
-    except Exception as exc:  # a process boundary: the orchestrator reports it and goes on
-        result = {"ran": False, "why_not": f"{exc.__class__.__name__}: {exc}"}
-    print(json.dumps(result))
-    return 0
+def _measure(job: dict[str, Any]) -> dict[str, Any]:
+    """One measurement, run by ``python -m flatcake.loadgen.bench.context`` (loadgen/bench/worker.py)."""
+    return measure(job["system"], Path(job["directory"]), worker.config(ContextConfig, job["config"]), job["tokens"])
 
 
 def run_worker(system: str, directory: Path, cfg: ContextConfig, tokens: int, timeout: float = 3600) -> dict[str, Any]:
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
-    job = {"system": system, "directory": str(directory.resolve()), "config": dataclasses.asdict(cfg),
-           "tokens": tokens}  # fmt: skip
-    try:
-        proc = subprocess.run([sys.executable, "-m", "flatcake.loadgen.bench.context"], input=json.dumps(job),
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return {"ran": False, "why_not": f"worker ran past {timeout:.0f} s"}
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = proc.stderr.strip().splitlines()[-3:]
-        return {"ran": False, "why_not": f"worker exited {proc.returncode}: {' | '.join(tail)}"}
-    result: dict[str, Any] = json.loads(lines[-1])
+    job = {"system": system, "config": dataclasses.asdict(cfg), "tokens": tokens}
+    result = worker.run("flatcake.loadgen.bench.context", directory, job, timeout)
     if result["ran"] and (result["missing_pages"] or result["wrong_page_layers"]):
         result.update(ran=False, why_not=f"restore lost data: {result['missing_pages']} pages missing, "
                                          f"{result['wrong_page_layers']} page-layers wrong")  # fmt: skip
@@ -447,4 +423,4 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main())
+    sys.exit(worker.main(_measure))

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from flatcake.loadgen.systems import hicache
 from flatcake.loadgen.traces import slices
 from flatcake.loadgen.traces import stats as trace_stats
 from flatcake.loadgen.traces.formats import BUNDLED_TRACE, TraceRequest, read_trace
+from flatcake.net import free_port
 from flatcake.node_agent import AgentConfig, spawn
 
 BUNDLED = BUNDLED_TRACE
@@ -137,12 +137,6 @@ def run_meta(trace: str, requests: int | None, page_tokens: int, qps: tuple[floa
     }  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait(check: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -211,7 +205,7 @@ def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Poin
             logs.append(open(run_dir / "agent.log", "wb"))  # noqa: SIM115 - closed below
             agent = spawn(engine, data, logs[-1])
             emu = dataclasses.replace(emu, agent_socket=sock)
-        port = _free_port()
+        port = free_port()
         args = [FLATCAKE, "emulate", "--mode", point.system, "--port", str(port), "--data-dir", str(data),
                 "--model", str(emu.model), "--gpu", emu.gpu, "--prefetch-policy", emu.prefetch_policy]  # fmt: skip
         for name in ("hbm_bytes", "dram_bytes", "ssd_bytes", "scope_file_bytes"):

@@ -21,11 +21,8 @@ end of the write phase and the system's ``prepare`` (Mooncake settles its SSD of
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 import zlib
@@ -37,6 +34,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from flatcake.loadgen.bench import worker
 from flatcake.loadgen.bench.agent import percentile
 from flatcake.loadgen.bench.fio import SequentialReadLimit
 from flatcake.loadgen.models import DEFAULT, ModelPreset, custom, preset
@@ -296,36 +294,17 @@ def run_system(
         system.close()
 
 
-def worker_main() -> int:
-    """``python -m flatcake.loadgen.bench.peers``: run one system from a JSON job on stdin, print JSON."""
-    job = json.loads(sys.stdin.read())
-    fields: dict[str, Any] = dict(job["config"])
-    fields["systems"] = tuple(fields["systems"])
-    cfg = PeersConfig(**fields)
-    directory = Path(job["directory"])
-    try:
-        result = run_system(job["system"], directory, workload(cfg), cfg, corrupt=job.get("corrupt"))
-    except Exception as exc:  # a process boundary: the orchestrator reports it and goes on
-        result = {"ran": False, "why_not": f"{exc.__class__.__name__}: {exc}"}
-    print(json.dumps(result))
-    return 0
+def _measure(job: dict[str, Any]) -> dict[str, Any]:
+    """One system, run by ``python -m flatcake.loadgen.bench.peers`` (loadgen/bench/worker.py)."""
+    cfg = worker.config(PeersConfig, job["config"])
+    return run_system(job["system"], Path(job["directory"]), workload(cfg), cfg, corrupt=job.get("corrupt"))
 
 
 # ---- the orchestrator ----------------------------------------------------------------------------------
 def run_worker(name: str, directory: Path, cfg: PeersConfig, corrupt: str | None = None,
                timeout: float = 3600) -> dict[str, Any]:  # fmt: skip
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
-    job = {"system": name, "directory": str(directory), "config": dataclasses.asdict(cfg), "corrupt": corrupt}
-    proc = subprocess.run([sys.executable, "-m", "flatcake.loadgen.bench.peers"], input=json.dumps(job),
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    shutil.rmtree(directory, ignore_errors=True)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = proc.stderr.strip().splitlines()[-3:]
-        return {"ran": False, "why_not": f"worker exited {proc.returncode}: {' | '.join(tail)}"}
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    job = {"system": name, "config": dataclasses.asdict(cfg), "corrupt": corrupt}
+    return worker.run("flatcake.loadgen.bench.peers", directory, job, timeout)
 
 
 def run(
@@ -528,4 +507,4 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main())
+    sys.exit(worker.main(_measure))

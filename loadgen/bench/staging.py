@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flatcake.loadgen.bench.e2e import run_meta
-from flatcake.loadgen.replay.run import LoadgenConfig, run
+from flatcake.loadgen.replay.run import LoadgenConfig, check_url, run
 from flatcake.loadgen.report import build as R
 
 
@@ -61,6 +61,7 @@ class StagingBench:
 
 
 def bench(cfg: StagingBench, log: Callable[[str], None] = print) -> int:
+    check_url(cfg.target, "--target")  # before the trace is read or anything is written
     results = Path(cfg.results)
     if cfg.role == "master":
         results.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -717,11 +717,12 @@ class _Job:
 
 
 # ---- HTTP ----------------------------------------------------------------------------------------
-# The OpenAI (``/v1/completions``, ``/v1/models``) and SGLang (``/generate``, ``/flush_cache``, ...)
-# conventions that common clients rely on (``openai``, ``sglang.bench_serving`` with the sglang,
-# sglang-oai and vllm backends, Locust). Prompts are text or token ids; text is tokenized by the rule in
-# flatcake.loadgen.tokens (4 characters a token), which the load generator shares. The output is
-# synthetic: token i is the 4 characters " tNN" (NN = i mod 100), one token under the same rule.
+# The OpenAI (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) and SGLang (``/generate``,
+# ``/flush_cache``, ...) conventions that common clients rely on (``openai``, ``sglang.bench_serving``
+# with the sglang, sglang-oai, vllm and their -chat backends, Locust). Prompts are text or token ids;
+# text is tokenized by the rule in flatcake.loadgen.tokens (4 characters a token), which the load
+# generator shares. The output is synthetic: token i is the 4 characters " tNN" (NN = i mod 100), one
+# token under the same rule.
 # A parameter is served, accepted as a no-op (sampling parameters: they choose among a model's tokens,
 # and there is no model), or refused with a 400 that names it: never silently ignored.
 MODEL_NAME = "flatcake-emulator"
@@ -739,6 +740,13 @@ _OAI_OFF: dict[str, tuple[object, ...]] = {
 }  # fmt: skip
 _OAI_SERVED = frozenset({"model", "prompt", "max_tokens", "min_tokens", "stream", "stream_options", "n", "best_of",
                          "stop", "return_cached_tokens_details"})  # fmt: skip
+# Chat: tools, structured output and logprobs ask for what a synthetic output cannot give.
+_CHAT_OFF: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, ()), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}), "lora_path": (None,), "parallel_tool_calls": (None, True),
+}  # fmt: skip
+_CHAT_SERVED = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "min_tokens", "stream",
+                          "stream_options", "n", "stop", "return_cached_tokens_details"})  # fmt: skip
 _GEN_OFF: dict[str, tuple[object, ...]] = {
     "return_logprob": (None, False), "top_logprobs_num": (None, 0), "token_ids_logprob": (None,),
     "lora_path": (None,), "return_routed_experts": (None, False), "return_hidden_states": (None, False),
@@ -993,6 +1001,51 @@ async def _stream_response(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+@dataclass
+class _Answer:
+    """Every prompt's result once all have finished, in prompt order."""
+
+    outs: list[Outcome]
+    texts: list[str]
+    done: list[_Event]
+
+
+async def _answer(
+    emu: Emulator, prompts: list[list[int]], limit: int, stops: list[str],
+    write: Callable[[_Event, str], Awaitable[None]] | None = None,
+) -> _Answer:  # fmt: skip
+    """Run the prompts; ``write`` (streaming) gets each event with its prompt's text so far. The one
+    loop behind ``/v1/completions``, ``/v1/chat/completions`` and ``/generate``."""
+    outs: dict[int, Outcome] = {}
+    texts = [""] * len(prompts)
+    done: dict[int, _Event] = {}
+    async for ev in _events(emu, prompts, limit, stops):
+        outs[ev.prompt] = ev.outcome
+        texts[ev.prompt] += ev.delta
+        if ev.finish is not None:
+            done[ev.prompt] = ev
+        if write is not None:
+            await write(ev, texts[ev.prompt])
+    order = range(len(prompts))
+    return _Answer([outs[i] for i in order], texts, [done[i] for i in order])
+
+
+async def _end_stream(resp: web.StreamResponse) -> web.StreamResponse:
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def _stream_usage(body: dict[str, Any], stream: bool) -> bool:
+    """OpenAI's ``stream_options``: allowed only with ``stream``; whether ``include_usage`` asks for the
+    final usage chunk (``choices: []``)."""
+    options = _object(body, "stream_options")
+    if options and not stream:
+        raise _bad_request("stream_options: only allowed when stream is true", "stream_options")
+    _check_params(options, frozenset({"include_usage"}), {}, "stream_options.")
+    return _flag(options, "include_usage")
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI ``POST /v1/completions``: text or token-id prompts, batches, ``n``, ``stop``, ``stream``
     (the usage chunk with ``choices: []`` only when ``stream_options.include_usage`` asks for it)."""
@@ -1005,49 +1058,135 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise _bad_request("best_of: only best_of = n is served (the emulator does not rank choices)", "best_of")
     stops = _stops(body.get("stop"), "stop")
     stream = _flag(body, "stream")
-    options = _object(body, "stream_options")
-    if options and not stream:
-        raise _bad_request("stream_options: only allowed when stream is true", "stream_options")
-    _check_params(options, frozenset({"include_usage"}), {}, "stream_options.")
-    include_usage = _flag(options, "include_usage")
+    include_usage = _stream_usage(body, stream)
     details = _flag(body, "return_cached_tokens_details")
     model = str(body.get("model") or MODEL_NAME)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    outs: dict[int, Outcome] = {}
-    texts = [""] * len(prompts)
-    done: dict[int, _Event] = {}
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
                 **extra}  # fmt: skip
 
-    def sglext(ev: _Event) -> dict[str, Any]:
-        return {"sglext": {"cached_tokens_details": _details(emu, [ev.outcome])}} if details else {}
+    async with _answering(request) as emu:
+        if not stream:
+            got = await _answer(emu, prompts, limit, stops)
+            choices = [{"index": i * n + j, "text": got.texts[i], "logprobs": None, "finish_reason": ev.finish}
+                       for i, ev in enumerate(got.done) for j in range(n)]  # fmt: skip
+            usage = _usage(emu, got.outs, n * sum(ev.tokens for ev in got.done))
+            return web.json_response(chunk(choices, usage=usage, **_sglext(emu, got.outs, details)))
+        resp = await _stream_response(request)
+
+        async def write(ev: _Event, _: str) -> None:
+            choices = [{"index": ev.prompt * n + j, "text": ev.delta, "logprobs": None,
+                        "finish_reason": ev.finish} for j in range(n)]  # fmt: skip
+            await resp.write(_sse(chunk(choices, **(_sglext(emu, [ev.outcome], details) if ev.finish else {}))))
+
+        got = await _answer(emu, prompts, limit, stops, write)
+        if include_usage:
+            await resp.write(_sse(chunk([], usage=_usage(emu, got.outs, n * sum(ev.tokens for ev in got.done)))))
+        return await _end_stream(resp)
+
+
+def _sglext(emu: Emulator, outs: Sequence[Outcome], details: bool) -> dict[str, Any]:
+    """SGLang's ``sglext`` extension, when ``return_cached_tokens_details`` asked for it."""
+    return {"sglext": {"cached_tokens_details": _details(emu, outs)}} if details else {}
+
+
+# The chat template: each message is ``<|ROLE|>\n`` + its text + ``<|end|>\n``, and the prompt ends with
+# ``<|assistant|>\n`` (where the reply goes). A message's rendering depends on it alone, and the
+# generation prompt is how the assistant's message begins, so turn k+1's prompt (turn k's messages, the
+# reply, a new user message) starts with turn k's prompt: a growing conversation is a shared prefix,
+# and under the 4-characters rule a shared token prefix (page keys follow it).
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def chat_prompt(messages: Any) -> str:
+    """The prompt text of OpenAI chat ``messages`` (content: a string or a list of ``text`` parts,
+    joined). Bad input is a 400 naming the message and field."""
+    if not isinstance(messages, list) or not messages:
+        raise _bad_request("messages: a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad_request(f"{where}: an object with role and content", where)
+        extra = sorted(set(m) - {"role", "content"})
+        if extra:
+            raise _bad_request(f"{where}.{extra[0]}: not supported by the emulator (only role and content)",
+                               f"{where}.{extra[0]}")  # fmt: skip
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise _bad_request(f"{where}.role: {json.dumps(role)} must be one of {', '.join(CHAT_ROLES)}",
+                               f"{where}.role")  # fmt: skip
+        out.append(f"<|{role}|>\n{_chat_text(m.get('content'), where + '.content')}<|end|>\n")
+    return "".join(out) + "<|assistant|>\n"
+
+
+def _chat_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise _bad_request(f"{where}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                                   f"supported, got {json.dumps(kind)}", f"{where}[{j}]")  # fmt: skip
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad_request(f"{where}: a string or a non-empty list of text parts", where)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI ``POST /v1/chat/completions``: ``messages`` rendered by ``chat_prompt`` and tokenized by
+    the shared rule; ``max_completion_tokens`` (or ``max_tokens``; default 128, SGLang's), ``n``,
+    ``stop``, ``stream`` (``chat.completion.chunk`` deltas; the usage chunk only with
+    ``stream_options.include_usage``)."""
+    body = await _body(request)
+    _check_params(body, _CHAT_SERVED, _CHAT_OFF)
+    prompt = tokens.encode(chat_prompt(body.get("messages")))
+    limits = {k: _int(body.get(k), k, 128, 65536) for k in ("max_completion_tokens", "max_tokens") if k in body}
+    if len(set(limits.values())) > 1:
+        raise _bad_request("max_tokens: differs from max_completion_tokens; give one of them", "max_tokens")
+    limit = next(iter(limits.values()), 128)
+    n = _int(body.get("n"), "n", 1, MAX_N)
+    stops = _stops(body.get("stop"), "stop")
+    stream = _flag(body, "stream")
+    include_usage = _stream_usage(body, stream)
+    details = _flag(body, "return_cached_tokens_details")
+    model = str(body.get("model") or MODEL_NAME)
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def reply(kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": cid, "object": kind, "created": created, "model": model, "choices": choices, **extra}
 
     async with _answering(request) as emu:
-        resp = await _stream_response(request) if stream else None
-        async for ev in _events(emu, prompts, limit, stops):
-            outs[ev.prompt] = ev.outcome
-            texts[ev.prompt] += ev.delta
-            if ev.finish is not None:
-                done[ev.prompt] = ev
-            if resp is not None:
-                choices = [{"index": ev.prompt * n + j, "text": ev.delta, "logprobs": None,
-                            "finish_reason": ev.finish} for j in range(n)]  # fmt: skip
-                await resp.write(_sse(chunk(choices, **(sglext(ev) if ev.finish else {}))))
-        ordered = [outs[i] for i in range(len(prompts))]
-        completion = n * sum(done[i].tokens for i in range(len(prompts)))
-        usage = _usage(emu, ordered, completion)
-        if resp is None:
-            choices = [{"index": i * n + j, "text": texts[i], "logprobs": None, "finish_reason": done[i].finish}
-                       for i in range(len(prompts)) for j in range(n)]  # fmt: skip
-            extra = {"sglext": {"cached_tokens_details": _details(emu, ordered)}} if details else {}
-            return web.json_response(chunk(choices, usage=usage, **extra))
+        if not stream:
+            got = await _answer(emu, [prompt], limit, stops)
+            ev = got.done[0]
+            choices = [{"index": j, "message": {"role": "assistant", "content": got.texts[0]}, "logprobs": None,
+                        "finish_reason": ev.finish} for j in range(n)]  # fmt: skip
+            usage = _usage(emu, got.outs, n * ev.tokens)
+            return web.json_response(reply("chat.completion", choices, usage=usage,
+                                           **_sglext(emu, got.outs, details)))  # fmt: skip
+        resp = await _stream_response(request)
+        first = True
+
+        async def write(ev: _Event, _: str) -> None:
+            nonlocal first
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if ev.delta or first:
+                delta["content"] = ev.delta
+            first = False
+            choices = [{"index": j, "delta": delta, "logprobs": None, "finish_reason": ev.finish} for j in range(n)]
+            extra = _sglext(emu, [ev.outcome], details) if ev.finish else {}
+            await resp.write(_sse(reply("chat.completion.chunk", choices, **extra)))
+
+        got = await _answer(emu, [prompt], limit, stops, write)
         if include_usage:
-            await resp.write(_sse(chunk([], usage=usage)))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+            usage = _usage(emu, got.outs, n * got.done[0].tokens)
+            await resp.write(_sse(reply("chat.completion.chunk", [], usage=usage)))
+        return await _end_stream(resp)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -1069,11 +1208,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     stops = _stops(sp.get("stop"), "sampling_params.stop")
     stream = _flag(body, "stream")
     rids = body.get("rid")
-    outs: dict[int, Outcome] = {}
-    texts = [""] * len(prompts)
-    done: dict[int, _Event] = {}
 
-    def result(ev: _Event) -> dict[str, Any]:
+    def result(ev: _Event, text: str) -> dict[str, Any]:
         rid = rids[ev.prompt] if isinstance(rids, list) and ev.prompt < len(rids) else rids
         u = _usage(emu, [ev.outcome], ev.tokens)
         finish = None
@@ -1085,27 +1221,24 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 "prompt_tokens": ev.outcome.prompt_tokens, "completion_tokens": ev.tokens,
                 "cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
                 "cached_tokens_details": _details(emu, [ev.outcome]), "flatcake": u["flatcake"]}  # fmt: skip
-        out: dict[str, Any] = {"text": texts[ev.prompt], "meta_info": meta}
+        out: dict[str, Any] = {"text": text, "meta_info": meta}
         if batched and stream:
             out["index"] = ev.prompt
         return out
 
     cid = uuid.uuid4().hex
     async with _answering(request) as emu:
-        resp = await _stream_response(request) if stream else None
-        async for ev in _events(emu, prompts, limit, stops):
-            outs[ev.prompt] = ev.outcome
-            texts[ev.prompt] += ev.delta
-            if ev.finish is not None:
-                done[ev.prompt] = ev
-            if resp is not None:
-                await resp.write(_sse(result(ev)))
-        if resp is None:
-            results = [result(done[i]) for i in range(len(prompts))]
+        if not stream:
+            got = await _answer(emu, prompts, limit, stops)
+            results = [result(ev, got.texts[i]) for i, ev in enumerate(got.done)]
             return web.json_response(results if batched else results[0])
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        resp = await _stream_response(request)
+
+        async def write(ev: _Event, text: str) -> None:
+            await resp.write(_sse(result(ev, text)))
+
+        await _answer(emu, prompts, limit, stops, write)
+        return await _end_stream(resp)
 
 
 def _strings(value: Any) -> bool:
@@ -1164,6 +1297,7 @@ def make_app(cfg: EmulatorConfig, emulator: Emulator | None = None) -> web.Appli
     app = web.Application(client_max_size=64 * MiB)
     app[HTTP] = _Http()
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/generate", generate)
     for path in ("/get_model_info", "/model_info"):
@@ -1191,6 +1325,9 @@ def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before any pool is made: a bad address costs nothing."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port: {port} is not a TCP port (0..65535; 0 picks a free one)")
+    if not host or "/" in host:  # a URL (the load generator's --host takes one) or nothing
+        raise ConfigError(f"--host: {host!r} is not an address to listen on; expected an IP address or a name, "
+                          "without scheme or port (e.g. 127.0.0.1, ::1, or 0.0.0.0 for every interface)")  # fmt: skip
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE

@@ -30,7 +30,7 @@ from locust.stats import CSV_STATS_INTERVAL_SEC
 from prometheus_client import CollectorRegistry, start_http_server
 
 from flatcake import metrics as M
-from flatcake.loadgen.replay.requests import Item, Record, body, path, prompt_tokens, read_stream, schedule
+from flatcake.loadgen.replay.requests import APIS, Item, Record, body, path, prompt_tokens, read_stream, schedule
 from flatcake.loadgen.traces.formats import read_trace
 
 
@@ -39,7 +39,7 @@ def _options(parser: Any) -> None:
     parser.add_argument("--trace", required=True, help="Mooncake or FlatCake JSONL trace")
     parser.add_argument("--trace-limit", type=int, default=0, help="replay only the first N requests")
     parser.add_argument("--qps", type=float, default=1.0, help="target arrival rate")
-    parser.add_argument("--api", choices=["openai", "sglang"], default="openai")
+    parser.add_argument("--api", choices=list(APIS), default="openai")
     parser.add_argument("--max-output", type=int, default=16, help="cap on output tokens per request")
     parser.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
                         help="token ids, or text (4 characters a token: flatcake.loadgen.tokens)")  # fmt: skip

@@ -70,21 +70,30 @@ class Record:
         return json.dumps(asdict(self))
 
 
+# openai: /v1/completions; chat: /v1/chat/completions (one user message); sglang: /generate.
+APIS = {"openai": "/v1/completions", "chat": "/v1/chat/completions", "sglang": "/generate"}
+
+
 def body(api: str, tokens: list[int], max_tokens: int, text: bool = False) -> dict[str, Any]:
     """The request for ``tokens``; ``text``: sent as text under the shared tokenization rule
-    (flatcake.loadgen.tokens: the emulator counts and caches it as exactly these token ids)."""
-    prompt: str | list[int] = decode(tokens) if text else tokens
+    (flatcake.loadgen.tokens: the emulator counts and caches it as exactly these token ids). ``chat``
+    always sends text, as one user message (the server's chat template adds its own few tokens, the
+    same before every prompt, so prompts that share a prefix still do)."""
+    prompt: str | list[int] = decode(tokens) if text or api == "chat" else tokens
     if api == "openai":
         return {"model": "flatcake", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
+    if api == "chat":
+        return {"model": "flatcake", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if api == "sglang":
         return {"text" if text else "input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens},
                 "stream": True}  # fmt: skip
-    raise ValueError(f"api: {api!r} must be 'openai' or 'sglang'")
+    raise ValueError(f"api: {api!r} must be one of {', '.join(APIS)}")
 
 
 def path(api: str) -> str:
-    return "/v1/completions" if api == "openai" else "/generate"
+    return APIS[api]
 
 
 def read_stream(api: str, lines: Iterator[bytes], started: float) -> tuple[float | None, int, dict[str, Any]]:
@@ -100,8 +109,9 @@ def read_stream(api: str, lines: Iterator[bytes], started: float) -> tuple[float
         if data == b"[DONE]":
             break
         event = json.loads(data)
-        if api == "openai":
-            if event.get("choices") and event["choices"][0].get("text"):
+        if api in ("openai", "chat"):
+            choice = (event.get("choices") or [{}])[0]
+            if choice.get("text") or (choice.get("delta") or {}).get("content"):
                 chunks += 1
                 if ttft is None:
                     ttft = time.perf_counter() - started

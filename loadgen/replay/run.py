@@ -47,26 +47,28 @@ class LoadgenConfig:
     locust_args: tuple[str, ...] = ()  # Locust's own flags, passed through last (they win)
 
 
-def check_url(url: str) -> None:
+def check_url(url: str, flag: str = "--host") -> None:
     """``--host`` is a base URL: scheme, host and optional port (what Locust's --host takes)."""
-    parsed = urlparse(url)
+    expected = f"{flag}: {url!r} is not a base URL; expected http://HOST:PORT, e.g. http://127.0.0.1:8000"
     try:
+        parsed = urlparse(url)
         parsed.port  # noqa: B018 - raises on a port that is not a number in 0..65535
-    except ValueError:
-        parsed = parsed._replace(netloc="")
+    except ValueError:  # a port out of range, or a bracketed IPv6 address left open
+        raise ValueError(expected) from None
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError(f"host: {url!r} is not a base URL; expected http://HOST:PORT, e.g. http://127.0.0.1:8000")
+        raise ValueError(expected)
 
 
-def check_loopback(url: str) -> None:
-    check_url(url)
+def check_loopback(url: str, flag: str = "--host") -> None:
+    check_url(url, flag)
     host = urlparse(url).hostname or ""
     try:
         addrs = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
-    except socket.gaierror:
-        raise ValueError(f"host: cannot resolve {host!r}") from None
+    except (socket.gaierror, UnicodeError):
+        raise ValueError(f"{flag}: cannot resolve {host!r} in {url!r}; expected http://HOST:PORT with a HOST "
+                         "this machine resolves, e.g. http://127.0.0.1:8000") from None  # fmt: skip
     if not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
-        raise ValueError(f"host: {url} is not on loopback; local runs only target this machine "
+        raise ValueError(f"{flag}: {url} is not on loopback; local runs only target this machine "
                          "(pass --allow-remote for a staging cluster)")  # fmt: skip
 
 
@@ -102,7 +104,11 @@ def run(cfg: LoadgenConfig, quiet: bool = True) -> int:
     if not cfg.allow_remote:
         check_loopback(cfg.host)
     if cfg.qps <= 0:
-        raise ValueError(f"qps: {cfg.qps} must be > 0")
+        raise ValueError(f"--qps: {cfg.qps:g} must be > 0 (requests per second)")
+    if not Path(cfg.trace).is_file():
+        raise ValueError(
+            f"--trace: {cfg.trace!r} is not a file; give a trace (JSONL), e.g. one from flatcake trace synth"
+        )
     Path(cfg.results).parent.mkdir(parents=True, exist_ok=True)
     out = subprocess.DEVNULL if quiet else None
     return subprocess.run(command(cfg), stdout=out, stderr=out, check=False).returncode

@@ -65,6 +65,7 @@ from typing import IO, Any
 import numpy as np
 
 from flatcake.loadgen.systems.base import Array, RequestTiming, RestoreCounters, SystemSpec
+from flatcake.net import free_port
 from flatcake.node_agent import ConfigError, Hints, Key, aligned_empty
 
 MiB = 1 << 20
@@ -104,13 +105,6 @@ def _store_class() -> Any:
     except ImportError as exc:
         raise ConfigError(f"mooncake: not importable ({exc}); {INSTALL}") from None
     return module.MooncakeDistributedStore
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -170,7 +164,7 @@ class MooncakeSystem:
         self.offload_dir.mkdir(parents=True)
         self._log = self.log_path.open("wb")
         for attempt in range(attempts):  # a free port can be taken before the master binds it
-            self.rpc_port, self.metadata_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+            self.rpc_port, self.metadata_port, self.metrics_port = free_port(), free_port(), free_port()
             args = [
                 str(binary),
                 f"--rpc_port={self.rpc_port}",

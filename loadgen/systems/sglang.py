@@ -2,7 +2,8 @@
 and SGLang's own file backend (``hicache_file``), each built by SGLang's ``StorageBackendFactory``.
 
 SGLang's host KV pools cannot be built on a machine without a GPU (they import transformers and a
-device pool), so ``HostPool`` reproduces their page layouts as SGLang 0.5.23 defines them
+device pool), so ``HostPool`` reproduces their page layouts as SGLang 0.5.23 defines them (the node
+agent's SGLang backend tests use it too, with small dimensions)
 (``mem_cache/pool_host``: ``kv_buffer`` shapes, ``get_data_page``, ``set_from_flat_data_page``,
 ``get_dummy_flat_data_page``). The page moves are SGLang's: ``managers/cache_controller.py``
 ``_page_set_zero_copy``/``_page_get_zero_copy`` (``batch_set_v1``/``batch_get_v1`` into host-pool
@@ -54,35 +55,60 @@ def _import_sglang() -> tuple[Any, Any]:
     return torch, StorageBackendFactory
 
 
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
 class HostPool:
-    """SGLang's host pool, ``page_first`` layout: MLA ``(tokens, layers, 1, dim)`` bytes, or MHA
-    ``(2, tokens, layers, heads, head_dim)`` bf16. Pages start at multiples of ``page_size``."""
+    """SGLang's host KV pool (``pool_host/mha.py``, ``pool_host/mla.py``) in one of its ``layout``s,
+    token-indexed, pages at multiples of ``page_size``. ``kv_buffer`` shapes (T tokens, L layers, P pages):
 
-    layout = "page_first"
+    - MLA: ``layer_first`` (L, T, 1, dim); ``page_first`` (T, L, 1, dim); ``page_first_direct``
+      (P, L, page_size, 1, dim);
+    - MHA: ``layer_first`` (2, L, T, heads, head_dim); ``page_first`` (2, T, L, heads, head_dim);
+      ``page_first_direct`` (2, P, L, page_size, heads, head_dim).
 
-    def __init__(self, spec: SystemSpec, pages: int, mla: bool) -> None:
+    ``for_spec`` sizes one from a system spec (bench peers); tests build small ones directly."""
+
+    def __init__(self, *, pages: int, page_size: int, layers: int, mla: bool, layout: str = "page_first",
+                 dtype: Any = None, mla_dim: int = 1, heads: int = MHA_HEADS,
+                 head_dim: int = MHA_HEAD_DIM) -> None:  # fmt: skip
+        if layout not in LAYOUTS:
+            raise ConfigError(f"layout: {layout!r} must be one of {', '.join(LAYOUTS)}")
         torch, _ = _import_sglang()
-        self.torch = torch
-        self.page_size, self.layer_num, self.mla = spec.page_tokens, spec.layers, mla
-        size = pages * spec.page_tokens
-        if mla:
-            self.dim = max(1, spec.page_bytes // spec.page_tokens)  # bytes per token-layer
-            self.dtype = torch.uint8
-            self.kv_buffer = torch.zeros((size, spec.layers, 1, self.dim), dtype=self.dtype)
-        else:
-            self.dtype = torch.bfloat16
-            self.kv_buffer = torch.zeros((2, size, spec.layers, MHA_HEADS, MHA_HEAD_DIM), dtype=self.dtype)
+        self.torch, self.layout, self.mla = torch, layout, mla
+        self.page_size, self.layer_num = page_size, layers
+        self.dtype = dtype if dtype is not None else torch.bfloat16
+        t, inner = pages * page_size, ((1, mla_dim) if mla else (heads, head_dim))
+        dims = {"layer_first": (layers, t), "page_first": (t, layers), "page_first_direct": (pages, layers, page_size)}
+        shape = (*dims[layout], *inner) if mla else (2, *dims[layout], *inner)
+        self.kv_buffer = torch.zeros(shape, dtype=self.dtype)
+        # The layer axis of one (non-flat) data page: layer_first pages are (L, page, ...) after the K/V axis.
+        self.layer_axis = (0 if layout == "layer_first" else 1) + (0 if mla else 1)
         sample = self.get_data_page(0, flat=False)
-        self.raw_bytes = sample.numel() * sample.element_size() // spec.layers  # one page-layer, unpadded
-        if round_up(self.raw_bytes) != spec.page_bytes:
+        self.raw_bytes = sample.numel() * sample.element_size() // layers  # one page-layer, unpadded
+
+    @classmethod
+    def for_spec(cls, spec: SystemSpec, pages: int, mla: bool) -> HostPool:
+        """The bench's pool, ``page_first``: MLA one byte per element (``dim`` = bytes per token-layer),
+        MHA bf16 with ``MHA_HEADS`` x ``MHA_HEAD_DIM``; the spec's page bytes must be its page-layer's."""
+        torch, _ = _import_sglang()
+        pool = cls(pages=pages, page_size=spec.page_tokens, layers=spec.layers, mla=mla,
+                   dtype=torch.uint8 if mla else torch.bfloat16,
+                   mla_dim=max(1, spec.page_bytes // spec.page_tokens))  # fmt: skip
+        if round_up(pool.raw_bytes) != spec.page_bytes:
             raise ConfigError(
-                f"page_bytes: {spec.page_bytes} is not this host pool's page-layer ({self.raw_bytes} B, padded "
-                f"{round_up(self.raw_bytes)}); use a model preset or --page-layer-bytes that matches"
+                f"page_bytes: {spec.page_bytes} is not this host pool's page-layer ({pool.raw_bytes} B, padded "
+                f"{round_up(pool.raw_bytes)}); use a model preset or --page-layer-bytes that matches"
             )
+        return pool
 
     def _slice(self, index: int) -> tuple[slice, ...]:
+        if self.layout == "page_first_direct":  # a page is one entry of its own axis
+            page = slice(index // self.page_size, index // self.page_size + 1)
+            return (page,) if self.mla else (slice(None), page)
         tokens = slice(index, index + self.page_size)
-        return (tokens,) if self.mla else (slice(None), tokens)
+        lead = (slice(None),) if self.layout == "layer_first" else ()
+        return (*lead, tokens) if self.mla else (slice(None), *lead, tokens)
 
     def get_data_page(self, index: int, flat: bool = True) -> Any:
         page = self.kv_buffer[self._slice(index)]
@@ -99,18 +125,16 @@ class HostPool:
     def _layer_axis_view(self, slot: int) -> Any:
         """Page ``slot`` as ``[layers][raw bytes]`` (a copy)."""
         page = self.get_data_page(slot * self.page_size, flat=False)
-        axis = 1 if self.mla else 2
-        moved = page.movedim(axis, 0).contiguous()
+        moved = page.movedim(self.layer_axis, 0).contiguous()
         return moved.view(self.torch.uint8).reshape(self.layer_num, -1)
 
     def write(self, slot: int, layers: Array) -> None:
         """Host page ``slot`` from a ``[layers][page_bytes]`` page (its first ``raw_bytes`` per layer)."""
         page = self.get_data_page(slot * self.page_size, flat=False)
-        axis = 1 if self.mla else 2
         shape = list(page.shape)
-        shape.insert(0, shape.pop(axis))
+        shape.insert(0, shape.pop(self.layer_axis))
         raw = self.torch.from_numpy(np.ascontiguousarray(layers[:, : self.raw_bytes]))
-        page.copy_(raw.view(self.dtype).reshape(shape).movedim(0, axis))
+        page.copy_(raw.view(self.dtype).reshape(shape).movedim(0, self.layer_axis))
 
     def read(self, slot: int, dest: Array, column: int) -> None:
         dest[:, column, : self.raw_bytes] = self._layer_axis_view(slot).numpy()
@@ -124,7 +148,7 @@ class _SGLangSystem:
     def __init__(self, directory: Path, spec: SystemSpec, session_pages: int) -> None:
         self.torch, self.factory = _import_sglang()
         self.spec, self.directory, self.mla = spec, directory, spec.mla
-        self.pool = HostPool(spec, max(session_pages, BATCH), spec.mla)
+        self.pool = HostPool.for_spec(spec, max(session_pages, BATCH), spec.mla)
         self._counters = RestoreCounters()
 
     def storage_config(self, extra: dict[str, Any]) -> Any:
@@ -132,7 +156,8 @@ class _SGLangSystem:
 
         return HiCacheStorageConfig(
             tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=self.mla,
-            enable_storage_metrics=False, is_page_first_layout=True, model_name="bench/model", extra_config=extra,
+            enable_storage_metrics=False, is_page_first_layout=self.pool.layout != "layer_first",
+            model_name="bench/model", extra_config=extra,
         )  # fmt: skip
 
     def _indices(self, slots: range) -> Any:

@@ -17,6 +17,7 @@ import pytest
 
 from flatcake.chart import REPO
 from flatcake.loadgen.traces.formats import BUNDLED_TRACE, read_trace
+from flatcake.net import free_port
 from flatcake.operator import render as R
 from flatcake.operator.spec import parse_spec
 from tests.support.helm import KUBERNETES, helm
@@ -153,12 +154,6 @@ def test_sglang_example_matches_sglangs_parser_and_the_agents_paths(name: str) -
     assert term["matchExpressions"][0]["key"] == R.ready_label(cache)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _localize(args: list[str], replace: dict[str, str]) -> list[str]:
     out = list(args)
     for flag, value in replace.items():
@@ -190,7 +185,7 @@ def test_master_and_two_workers_run_the_charts_command_lines(tmp_path: Path) -> 
     service = find(docs, "Service", "-loadgen")
     assert service["metadata"]["labels"]["flatcake.io/metrics"] == "true" and service["spec"]["clusterIP"] == "None"
     exe = str(Path(sys.executable).parent / "flatcake")
-    emulator_port, master_port = _free_port(), _free_port()
+    emulator_port, master_port = free_port(), free_port()
     emulator = subprocess.Popen(
         [exe, "emulate", "--mode", "dram", "--port", str(emulator_port), "--data-dir", str(tmp_path / "emu")],
         stdout=subprocess.DEVNULL,

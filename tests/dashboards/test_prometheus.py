@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import urllib.parse
 import urllib.request
@@ -21,6 +20,7 @@ from flatcake.loadgen.bench import e2e
 from flatcake.loadgen.emulator.server import EmulatorConfig
 from flatcake.loadgen.replay.run import LoadgenConfig
 from flatcake.loadgen.replay.run import run as run_locust
+from flatcake.net import free_port
 from flatcake.node_agent.service.client import AgentConnection
 from tests.support.agents import AgentThread
 from tests.support.emulators import Server
@@ -29,12 +29,6 @@ from tests.support.waiting import wait_until
 pytestmark = pytest.mark.system
 
 RULES = D.ROOT / "prometheus-rules.yml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def query(base: str, expr: str) -> dict:

@@ -37,6 +37,12 @@ def test_the_emulators_help_defaults_are_its_configs() -> None:
     assert {k: fields[k] for k in cli.EMULATOR_DEFAULTS} == cli.EMULATOR_DEFAULTS
 
 
+def test_the_api_choices_are_the_load_generators() -> None:
+    from flatcake.loadgen.replay.requests import APIS
+
+    assert list(APIS) == cli.API_CHOICES
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["--version"])
@@ -47,7 +53,7 @@ def test_a_bad_host_says_what_was_expected(capsys: pytest.CaptureFixture[str]) -
     assert cli.main(["loadgen", "run", "--host", "127.0.0.1:8000", "--trace", "t.jsonl", "--qps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == (
-        "flatcake: error: host: '127.0.0.1:8000' is not a base URL; expected http://HOST:PORT, e.g. http://127.0.0.1:8000"
+        "flatcake: error: --host: '127.0.0.1:8000' is not a base URL; expected http://HOST:PORT, e.g. http://127.0.0.1:8000"
     )
 
 

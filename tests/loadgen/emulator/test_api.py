@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from flatcake.loadgen import tokens
-from flatcake.loadgen.emulator.server import EmulatorConfig, output_token
-from flatcake.loadgen.replay.requests import body, prompt_tokens, read_stream
+from flatcake.loadgen.emulator.server import EmulatorConfig, chat_prompt, output_token
+from flatcake.loadgen.replay.requests import body, path, prompt_tokens, read_stream
 from flatcake.loadgen.traces.formats import TraceRequest
 from tests.support import bench_serving
 from tests.support.emulators import Server
@@ -145,6 +145,22 @@ def test_completions_batches_n_and_stop(emulator: Server) -> None:
         ("/generate", {"text": "x", "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
         ("/generate", {"text": "x", "input_ids": [1]}, "input_ids"),
         ("/generate", {"text": [1, 2]}, "text"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "a"}]}, "messages[0].name"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 3},
+            "max_tokens",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions"),
     ],
 )
 def test_unsupported_parameters_are_refused_by_name(
@@ -183,7 +199,81 @@ def test_the_openai_client(emulator: Server) -> None:
         assert ttft is not None and chunks_seen == 2 and usage["output"] == 2
 
 
-@pytest.mark.parametrize("backend", ["sglang", "sglang-oai", "vllm"])
+def test_the_load_generators_chat_requests(emulator: Server) -> None:
+    """``loadgen run --api chat``: the trace prompt as one user message; two requests sharing a trace
+    prefix share a cached page through the chat template."""
+    first, second = (prompt_tokens(TraceRequest(0, 700, 1, ids)) for ids in ((11, 12), (11, 13)))
+    assert first[:512] == second[:512] and first != second
+    seen = []
+    for ids in (first, second):
+        req = body("chat", ids, 2)
+        assert path("chat") == "/v1/chat/completions" and req["messages"][0]["content"] == tokens.decode(ids)
+        raw = [f"data: {json.dumps(e)}".encode() for e in events(emulator, path("chat"), req)]
+        ttft, chunks_seen, usage = read_stream("chat", iter(raw), 0.0)
+        assert ttft is not None and chunks_seen == 2 and usage["output"] == 2
+        seen.append(usage["cached"])
+    assert seen[1] >= 256  # the shared 512 trace tokens hold at least one whole page after the template
+
+
+def test_the_chat_template_makes_a_conversation_a_growing_prefix() -> None:
+    turn1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert chat_prompt(turn1) == "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
+    turn2 = [*turn1, {"role": "assistant", "content": [{"type": "text", "text": " t00"}, {"type": "text", "text": " t01"}]},
+             {"role": "user", "content": "More"}]  # fmt: skip
+    p1, p2 = chat_prompt(turn1), chat_prompt(turn2)
+    assert p2.startswith(p1) and p2[len(p1) :].startswith(" t00 t01<|end|>")
+    assert tokens.encode(p2)[: len(p1) // 4] == tokens.encode(p1)[: len(p1) // 4]  # the ids share the prefix too
+
+
+def test_chat_completions(emulator: Server) -> None:
+    system = [{"role": "system", "content": "You are an emulator. " * 60}]  # ~1,300 characters: 1 full page
+    first = call(emulator, "/v1/chat/completions", {"messages": [*system, {"role": "user", "content": "a"}],
+                                                    "max_completion_tokens": 2})[1]  # fmt: skip
+    assert first["object"] == "chat.completion" and first["choices"][0]["message"] == {"role": "assistant",
+                                                                                    "content": " t00 t01"}  # fmt: skip
+    assert first["choices"][0]["finish_reason"] == "length"
+    prompt = chat_prompt([*system, {"role": "user", "content": "a"}])
+    assert first["usage"]["prompt_tokens"] == tokens.count(prompt) and first["usage"]["completion_tokens"] == 2
+    # The next turn carries the whole first one: its first page is found in the cache.
+    convo = [
+        *system,
+        {"role": "user", "content": "a"},
+        first["choices"][0]["message"],
+        {"role": "user", "content": "b"},
+    ]
+    plain = events(emulator, "/v1/chat/completions", {"messages": convo, "max_tokens": 3, "stream": True, "n": 2})
+    assert all(e["object"] == "chat.completion.chunk" and e["choices"] for e in plain) and not any(
+        "usage" in e for e in plain
+    )
+    assert plain[0]["choices"][0]["delta"]["role"] == "assistant" and len(plain[0]["choices"]) == 2
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in plain) == " t00 t01 t02"
+    assert plain[-1]["choices"][1]["finish_reason"] == "length"
+    asked = events(emulator, "/v1/chat/completions", {"messages": convo, "stop": " t01", "stream": True,
+                                                      "stream_options": {"include_usage": True}})  # fmt: skip
+    assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] == 2  # the stop string was generated
+    assert asked[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in asked[:-1]) == " t00"
+    assert asked[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_openai_client_chat(emulator: Server) -> None:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{emulator.port}/v1", api_key="unused")
+    messages: list[Any] = [{"role": "user", "content": "tell me " * 200}]
+    reply = client.chat.completions.create(model="flatcake-emulator", messages=messages, max_completion_tokens=3)
+    assert reply.choices[0].message.content == " t00 t01 t02" and reply.usage is not None
+    assert reply.usage.prompt_tokens == tokens.count(chat_prompt(messages))
+    chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=2, stream=True,
+                                                 stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " t00 t01"
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 2
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 256
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model="m", messages=messages,
+                                       tools=[{"type": "function", "function": {"name": "f"}}])  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["sglang", "sglang-oai", "vllm", "sglang-oai-chat", "vllm-chat"])
 def test_sglang_bench_serving(emulator: Server, backend: str, tmp_path: Path) -> None:
     """SGLang's own benchmark client, offline: random token ids decoded by a local tokenizer that
     follows the emulator's rule, so its prompt lengths are the emulator's."""
@@ -195,7 +285,7 @@ def test_sglang_bench_serving(emulator: Server, backend: str, tmp_path: Path) ->
            "--random-input-len", "300", "--random-output-len", "3", "--random-range-ratio", "1.0",
            "--request-rate", "inf", "--ready-check-timeout-sec", "10", "--disable-tqdm", "--flush-cache",
            "--output-file", str(result), "--seed", "1"]  # fmt: skip
-    if backend.startswith("sglang"):
+    if backend.startswith("sglang"):  # SGLang's sglext cached_tokens_details
         cmd.append("--cache-report")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)

@@ -1,10 +1,10 @@
 """The SGLang HiCache backend through SGLang's real ABC and backend factory, against a running agent.
 
 SGLang's host KV pools cannot be built here (they pull in transformers, torchvision and a device
-pool), so ``HostPool`` below reproduces their page layouts as SGLang 0.5.23 defines them
-(``pool_host/mha.py`` and ``pool_host/mla.py``: ``kv_buffer`` shapes for ``layer_first``, ``page_first``
-and ``page_first_direct``, ``get_data_page``,
-``set_from_flat_data_page``). Everything else is SGLang's own code.
+pool), so ``HostPool`` is the load generator's reproduction of their page layouts as SGLang 0.5.23
+defines them (flatcake.loadgen.systems.sglang: ``kv_buffer`` shapes for ``layer_first``, ``page_first``
+and ``page_first_direct``, ``get_data_page``, ``set_from_flat_data_page``), at small dimensions.
+Everything else is SGLang's own code.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
+from flatcake.loadgen.systems.sglang import HostPool as SGLangHostPool
 from flatcake.node_agent.sglang.backend import FlatCakeStorage
 from tests.support.agents import AgentThread
 
@@ -26,37 +27,14 @@ LAYERS, PAGE, HEADS, DIM, PAGES = 4, 16, 2, 64, 12  # MHA page: 2*16*2*64*2 B = 
 MLA_DIM = 128  # MLA page: 16*128*2 B = 4 KiB per layer
 
 
-class HostPool:
-    """SGLang's host pool page layouts (token-indexed; pages start at multiples of page_size)."""
+class HostPool(SGLangHostPool):
+    """The shared emulation of SGLang's host pool (flatcake.loadgen.systems.sglang) at this file's small
+    dimensions, bf16, filled with random values."""
 
     def __init__(self, mla: bool, layout: str) -> None:
-        self.layout, self.page_size, self.layer_num, self.dtype = layout, PAGE, LAYERS, torch.bfloat16
-        size = PAGES * PAGE
-        if mla:
-            dims = {"layer_first": (LAYERS, size, 1, MLA_DIM), "page_first": (size, LAYERS, 1, MLA_DIM),
-                    "page_first_direct": (PAGES, LAYERS, PAGE, 1, MLA_DIM)}[layout]  # fmt: skip
-        else:
-            dims = {"layer_first": (2, LAYERS, size, HEADS, DIM), "page_first": (2, size, LAYERS, HEADS, DIM),
-                    "page_first_direct": (2, PAGES, LAYERS, PAGE, HEADS, DIM)}[layout]  # fmt: skip
-        self.mla = mla
-        self.kv_buffer = torch.randn(dims).to(self.dtype)
-
-    def _slice(self, index: int) -> tuple[slice, ...]:
-        tokens = slice(index, index + PAGE)
-        if self.layout == "page_first_direct":  # one page of its own axis (pool_host/*.py get_data_page)
-            page = slice(index // PAGE, index // PAGE + 1)
-            return (page,) if self.mla else (slice(None), page)
-        if self.mla:
-            return (slice(None), tokens) if self.layout == "layer_first" else (tokens,)
-        return (slice(None), slice(None), tokens) if self.layout == "layer_first" else (slice(None), tokens)
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        page = self.kv_buffer[self._slice(index)]
-        return page.flatten() if flat else page
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        target = self.kv_buffer[self._slice(index)]
-        target.copy_(data_page.reshape(target.shape))
+        super().__init__(pages=PAGES, page_size=PAGE, layers=LAYERS, mla=mla, layout=layout, dtype=torch.bfloat16,
+                         mla_dim=MLA_DIM, heads=HEADS, head_dim=DIM)  # fmt: skip
+        self.kv_buffer.copy_(torch.randn(self.kv_buffer.shape))
 
 
 def make_backend(agent: AgentThread, pool: HostPool, tp_rank: int = 0, tp_size: int = 1,
