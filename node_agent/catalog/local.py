@@ -96,6 +96,7 @@ class LocalCatalog:
         self._crc: dict[Key, int] = {}  # per-page checksums, kept for journal compaction
         # Recovered scopes the background scan has not checked yet (catalog/recovery.py ``Scan``).
         self.unverified: set[int] = set()
+        self._adopted: list[int] = []  # recovered scopes not yet in the shared index (``adopted``)
         table.on_free = self._freed
         self.index = index
         if index is not None:
@@ -244,9 +245,30 @@ class LocalCatalog:
             return True
 
     def adopt(self, scope: Scope, entries: dict[Key, Location], checksums: dict[Key, int]) -> None:
-        """Serve a recovered scope's pages again (recovery only)."""
-        self.table.adopt(scope, entries)
+        """Serve a recovered scope's pages again (recovery only). The shared index gets them when
+        recovery ends (``adopted``), in one bulk insert: one insert per scope cost more than the rest
+        of recovery (300K keys in 64-page scopes: 1.5 s, against 0.24 s in bulk)."""
+        t = self.table
+        with t.lock:
+            on_publish, t.on_publish = t.on_publish, None
+            try:
+                t.adopt(scope, entries)
+            finally:
+                t.on_publish = on_publish
         self._crc.update(checksums)
+        if self.index is not None:
+            self._adopted.append(scope.id)
+
+    def adopted(self) -> None:
+        """Recovery is over: put the adopted scopes' pages into the shared index, 64K keys a numpy pass.
+        Until then clients find none of them there (a miss, or they ask the agent), never a wrong one."""
+        scopes, self._adopted = self._adopted, []
+        t = self.table
+        with t.lock:  # orders these inserts before any later free's deletes
+            keys = [k for sid in scopes if (s := t.scopes.get(sid)) is not None for k in s.keys]
+            locs = [t.entries[k] for k in keys]
+            for at in range(0, len(keys), 1 << 16):
+                self._published(keys[at : at + (1 << 16)], locs[at : at + (1 << 16)])
 
     def close(self) -> None:
         """The journal, if any, belongs to whoever opened it (the agent)."""

@@ -135,6 +135,7 @@ def recover(
             continue
         out.scopes += 1
         out.pages += len(keep_keys)
+    catalog.adopted()  # the shared index, in bulk
     if out.dropped_pages:
         log.warning("recovery dropped %d pages whose bytes no longer match their checksum", out.dropped_pages)
     if out.superseded_pages:
