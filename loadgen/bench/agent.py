@@ -244,7 +244,7 @@ def index_memory(keys: int, scope_pages: int, root: Path) -> dict[str, Any]:
     gc.collect()
     python_bytes = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    shared = len(index.t.mm)
+    shared = index.shared_bytes()  # the table file clients map (tracemalloc sees the agent-private columns)
     assert catalog.exists(sglang_keys("index", keys - 1, 1)) == 1
     index.close()
     return {"keys": keys, "scope_pages": scope_pages, "python_bytes": python_bytes, "shared_table_bytes": shared,

@@ -74,15 +74,17 @@ def test_insert_find_delete_and_rebuild(tmp_path: Path) -> None:
     assert r.find(keys) is None  # the agent stopped: ask it (and fail), never trust the table
 
 
-def test_a_full_table_falls_back_to_the_agent_until_rebuilt(tmp_path: Path) -> None:
+def test_a_table_that_fills_grows_and_readers_follow(tmp_path: Path) -> None:
+    """The agent's only index never leaves an entry out: more keys than fit make a larger table,
+    which readers reopen."""
     w = S.SharedIndexWriter(tmp_path / "idx", 1024)
     r = S.SharedIndexReader(tmp_path / "idx")
     keys = list(range(1100))  # more than the table holds
-    entries = {k: loc(k) for k in keys}
-    w.insert(keys, list(entries.values()))
-    assert w.wants_rebuild() and r.hit_prefix(keys) is None  # incomplete: it cannot say "miss"
-    w.rebuild(entries)
-    assert w.stats()["slots"] >= 2048 and r.hit_prefix(keys) == 1100
+    w.insert(keys, [loc(k) for k in keys])
+    assert w.stats()["slots"] >= 2048 and w.stats()["entries"] == 1100 and w.rebuilds >= 1
+    assert r.hit_prefix(keys) == 1100
+    found = r.find(keys)
+    assert found is not None and found[1].tolist() == [loc(k).gva for k in keys]
 
 
 def test_a_new_writer_retires_the_previous_agents_table(tmp_path: Path) -> None:
@@ -183,10 +185,10 @@ def test_recovery_fills_the_index_in_bulk_once_it_has_adopted_every_scope(tmp_pa
     again = ScopeTable(node_id=1, layers=1, page_bytes=4096, file_bytes=64 * 4096, files=64, dram_slots=0,
                        high_watermark=1.0, low_watermark=1.0)  # fmt: skip
     writer = S.SharedIndexWriter(tmp_path / "idx", 8192)
-    calls: list[int] = []
-    insert = writer.insert
-    writer.insert = lambda k, loc: (calls.append(len(k)), insert(k, loc))[1]  # type: ignore[method-assign]
     c = LocalCatalog(again, PlacementConfig(), index=writer)
+    calls: list[int] = []
+    put = writer.put
+    writer.put = lambda d, *cols: (calls.append(len(d[0])), put(d, *cols))[1]  # type: ignore[method-assign]
     assert recover(c, tmp_path / "j.log", None).pages == 3200
     assert calls == [3200]  # one insert for all 200 scopes, not one each
     reader = S.SharedIndexReader(tmp_path / "idx")
