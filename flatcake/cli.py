@@ -90,7 +90,10 @@ def _bench_context(args: argparse.Namespace) -> int:
 def _bench_agent(args: argparse.Namespace) -> int:
     from flatcake.loadgen.bench import agent as ba
 
-    report = ba.run(ba.QUICK if args.quick else ba.AgentBenchConfig(), log=lambda m: print(m, file=sys.stderr))
+    cfg = ba.QUICK if args.quick else ba.AgentBenchConfig()
+    if args.parts:
+        cfg = dataclasses.replace(cfg, parts=args.parts)
+    report = ba.run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(ba.format_table(report))
     _write_json(args.json, report)
     return 0
@@ -157,6 +160,17 @@ def _csv(kind: Callable[[str], T], flag: str) -> Callable[[str], tuple[T, ...]]:
             raise argparse.ArgumentTypeError(f"{flag}: {text!r} is not a comma-separated list") from None
 
     return parse
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    """``bench agent --parts``: names from ``PARTS``, checked before anything runs."""
+    from flatcake.loadgen.bench.agent import PARTS
+
+    parts = tuple(p for p in text.split(",") if p)
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"--parts: {bad or text!r} not among {','.join(PARTS)}")
+    return parts
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
@@ -357,7 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
     ctx.set_defaults(func=_bench_context)
 
     agent_bench = bench.add_parser("agent", help="control-path round trips through the agent vs in-process")
-    agent_bench.add_argument("--quick", action="store_true", help="half a second per point")
+    agent_bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="every summary field, smaller: 0.5 s points, 1 and 8 clients, restarts at 1/16 size",
+    )
+    agent_bench.add_argument(
+        "--parts", type=_parts, help="comma-separated subset of latency,capacity,restart,index,journal (default: all)"
+    )
     agent_bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     agent_bench.set_defaults(func=_bench_agent)
 

@@ -16,7 +16,8 @@ A tour in twenty lines:
 - ``Scheduler`` orders requests by the slowest medium they need (FC-MAS); ``needs_ssd`` is its test.
 - The pure policy behind them, for what-if tools that must run the agent's own decisions
   (``flatcake simulate``): ``decide`` (Table 2 placement, a ``Decision`` with its ``Reason``),
-  ``ScopeTable`` (scopes, index, reclaim; ``Location``), ``plan_restore`` (FC-CIO read plans), ``hrrn``.
+  ``ScopeTable`` (scopes, index, reclaim; ``Location``), ``plan_restore`` (FC-CIO read plans), ``hrrn``;
+  ``SharedIndexWriter`` and ``slots_for`` build the agent's shared key index (``bench agent`` sizes it).
 - Errors: every failure is a ``FlatCakeError``: ``ConfigError``, ``ProtocolError``, ``CapacityError``
   (``PoolFullError``), ``NotFoundError`` (``UnknownKeyError``), ``StorageIOError``
   (``StorageWriteError``), ``FencedError``, ``PrepareError``.
@@ -44,6 +45,7 @@ from flatcake.errors import (
     UnknownKeyError,
 )
 from flatcake.node_agent.catalog.local import LocalCatalog
+from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, slots_for
 from flatcake.node_agent.config import (
     AgentConfig,
     DramConfig,
@@ -100,6 +102,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "ScopeTable",
+    "SharedIndexWriter",
     "SsdConfig",
     "StorageIOError",
     "StorageWriteError",
@@ -117,5 +120,6 @@ __all__ = [
     "plan_restore",
     "protocol",
     "round_up",
+    "slots_for",
     "spawn",
 ]

@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
+import numpy as np
+
 from flatcake.errors import FencedError, UnknownHandleError, UnknownKeyError
 from flatcake.node_agent.catalog.journal import Journal, publish_record
 from flatcake.node_agent.catalog.shared_index import SharedIndexWriter
 from flatcake.node_agent.config import PlacementConfig
 from flatcake.node_agent.policy.gva import Medium
+from flatcake.node_agent.policy.keyindex import pack, unpack
 from flatcake.node_agent.policy.placement import Hints, Key, PlacementCounts, decide
-from flatcake.node_agent.policy.scopes import Location, Reservation, Scope, ScopeTable, Segment
+from flatcake.node_agent.policy.scopes import Location, Reservation, Scope, ScopeTable, Segment, as_locations
 
 log = logging.getLogger(__name__)
 
@@ -93,44 +95,20 @@ class LocalCatalog:
         self._leases: dict[int, set[int]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._crc: dict[Key, int] = {}  # per-page checksums, kept for journal compaction
         # Recovered scopes the background scan has not checked yet (catalog/recovery.py ``Scan``).
         self.unverified: set[int] = set()
+        self._adopted: list[Any] = []  # recovered pages' index entries, indexed in bulk (``adopted``)
         table.on_free = self._freed
         self.index = index
-        if index is not None:
-            table.on_publish = self._published
-
-    def _published(self, keys: Sequence[Key], locs: Sequence[Location]) -> None:
-        index = self.index
-        if index is None:
-            return
-        try:
-            if index.wants_rebuild():  # here, where ``entries`` is whole: a rebuild copies it
-                index.rebuild(self.table.entries)
-            else:
-                index.insert(keys, locs)
-        except (OSError, ValueError) as exc:  # the pages are published all the same; clients ask the agent
-            self._abandon_index(exc)
-
-    def _abandon_index(self, exc: Exception) -> None:
-        log.error("shared index: %s; retired, clients look keys up over the socket from now on", exc)
-        if self.index is not None:
-            self.index.retire()
-        self.index = None
+        if index is not None:  # the shared-memory table is the index itself: no second copy of entries
+            table.use_index(index)
 
     def _freed(self, scope: Scope) -> None:
-        # Called before the scope's space is released; if the record cannot be written this raises and
-        # the space stays with the scope, so no later writer overwrites pages a restart would revive.
+        # Called before the scope's space is released (and before its entries leave the index); if the
+        # record cannot be written this raises and the space stays with the scope, so no later writer
+        # overwrites pages a restart would revive.
         if self.journal is not None:
             self.journal.append({"t": "free", "scope": scope.id})
-        if self.index is not None:  # before the space is reused: clients stop finding these pages
-            try:
-                self.index.delete(scope.keys)
-            except (OSError, ValueError) as exc:
-                self._abandon_index(exc)
-        for key in scope.keys:
-            self._crc.pop(key, None)
 
     def allocate(self, keys: Sequence[Key], hints: Hints) -> Allocation | None:
         t = self.table
@@ -176,8 +154,7 @@ class LocalCatalog:
             except BaseException:  # not journaled, so never visible: give the keys and the space back
                 self.table.abort(res)
                 raise
-        self._crc.update(zip(res.keys, checksums, strict=True))
-        self.table.publish(res)
+        self.table.publish(res, checksums)
         self.placements.add(res.decision, len(res.keys))
 
     def abort(self, alloc_id: int) -> None:
@@ -187,25 +164,20 @@ class LocalCatalog:
         return self.table.hit_prefix(keys)
 
     def acquire(self, keys: Sequence[Key]) -> Lease:
-        t = self.table
-        found = t.lookup_many(keys)
-        if None in found:
-            i = found.index(None)
+        found = self.table.pin(keys)
+        if not found.hit.all():
+            i = int(np.flatnonzero(~found.hit)[0])
             raise UnknownKeyError(
                 f"keys[{i}]: {keys[i]!r} is not stored; restore only the hit prefix that exists() reports "
                 "and recompute the rest"
             )
-        locs = cast(list[Location], found)
-        vanished = t.pin(keys, locs)
-        if vanished:
-            i = vanished[0]
-            raise UnknownKeyError(f"keys[{i}]: {keys[i]!r} was reclaimed while resolving; recompute it")
+        locs = cast(list[Location], as_locations(found))
         lease_id = next(self._ids)
-        scopes = set(map(operator.itemgetter(0), locs))
+        scopes = set(found.scope.tolist())
         with self._lock:
             self._leases[lease_id] = scopes
         verify = bool(self.unverified) and not self.unverified.isdisjoint(scopes)
-        return Lease(lease_id, locs, [self._crc.get(k, -1) for k in keys], verify)
+        return Lease(lease_id, locs, found.crc.tolist(), verify)
 
     def release(self, lease_id: int) -> None:
         with self._lock:
@@ -214,39 +186,38 @@ class LocalCatalog:
             raise UnknownHandleError(f"lease {lease_id}: unknown (released already or expired)")
         self.table.unpin(scopes)
 
-    def pages_of(self, scope_id: int) -> list[tuple[Key, Location, int]]:
-        """Each stored page of a scope with its published crc32 (the background scan's work)."""
-        with self.table.lock:
-            scope = self.table.scopes.get(scope_id)
-            keys = list(scope.keys) if scope is not None else []
-            return [(k, self.table.entries[k], self._crc.get(k, -1)) for k in keys if k in self.table.entries]
-
-    def drop_damaged(self, key: Key, loc: Location) -> bool:
-        """Stop serving a page whose stored bytes failed their checksum, as recovery always did: the
-        key goes (from the index too), its space stays with its scope until the scope is freed, so
-        no reader of the scope (it verifies what it reads: the lease says so) races a reuse. A scope
-        left with no page is freed. False when the key no longer names that page."""
+    def pages_of(self, scope_id: int) -> list[tuple[bytes, Location, int]]:
+        """Each stored page of a scope (its 16-byte key digest) with its published crc32 (the
+        background scan's work)."""
         t = self.table
         with t.lock:
-            if t.entries.get(key) is not loc:
-                return False
-            if self.index is not None:
-                try:
-                    self.index.delete([key])
-                except (OSError, ValueError) as exc:
-                    self._abandon_index(exc)
-            del t.entries[key]
-            self._crc.pop(key, None)
-            scope = t.scopes[loc.scope]
-            scope.keys.remove(key)
-            if not scope.keys:
-                t.drop(scope.id)
-            return True
+            scope = t.scopes.get(scope_id)
+            if scope is None:
+                return []
+            d = scope.keys.digests()
+            found = t.find_digests(d)
+            blob = pack(d)
+            pages = zip(as_locations(found), found.crc.tolist(), strict=True)
+            return [(blob[16 * i : 16 * i + 16], loc, crc) for i, (loc, crc) in enumerate(pages) if loc is not None]
 
-    def adopt(self, scope: Scope, entries: dict[Key, Location], checksums: dict[Key, int]) -> None:
-        """Serve a recovered scope's pages again (recovery only)."""
-        self.table.adopt(scope, entries)
-        self._crc.update(checksums)
+    def drop_damaged(self, digest: bytes, loc: Location) -> bool:
+        """Stop serving a page whose stored bytes failed their checksum, as recovery always did: the
+        key goes, its space stays with its scope until the scope is freed, so no reader of the scope
+        (it verifies what it reads: the lease says so) races a reuse. A scope left with no page is
+        freed. False when the digest (from ``pages_of``) no longer names that page."""
+        return self.table.drop_page(digest, loc)
+
+    def adopt(self, scope: Scope, entries: dict[bytes, Location], checksums: dict[bytes, int]) -> None:
+        """Serve a recovered scope's pages again (recovery only). ``entries`` and ``checksums`` are keyed
+        by 16-byte key digests (``keyindex.pack``), in publish order."""
+        d = unpack(b"".join(entries))
+        self.table.adopt(scope, d, list(entries.values()), [checksums[k] for k in entries], later=self._adopted)
+
+    def adopted(self) -> None:
+        """Recovery is over: index the adopted pages in bulk (until now clients find none of them,
+        a miss, never a wrong page)."""
+        batches, self._adopted = self._adopted, []
+        self.table.index_many(batches)
 
     def close(self) -> None:
         """The journal, if any, belongs to whoever opened it (the agent)."""
@@ -257,13 +228,19 @@ class LocalCatalog:
             return len(self._allocs), len(self._leases)
 
     def snapshot_records(self) -> list[dict[str, Any]]:
-        """The live state as journal records, for compaction."""
+        """The live state as journal records, for compaction. The keys are their digests (``kd``: 16
+        bytes each): the catalog keeps no key object (policy/keyindex.py)."""
         out: list[dict[str, Any]] = []
-        with self.table.lock:
-            for scope in self.table.scopes.values():
+        t = self.table
+        with t.lock:
+            for scope in t.scopes.values():
                 if not scope.keys:
                     continue
-                locs = [self.table.entries[k] for k in scope.keys]
-                crc = [self._crc.get(k, 0) for k in scope.keys]
-                out.append(publish_record(scope, scope.keys, locs, scope.slots, crc, scope.extents))
+                d = scope.keys.digests()
+                found = t.find_digests(d)
+                locs = cast(list[Location], as_locations(found))
+                record = publish_record(scope, [], locs, scope.slots, found.crc.tolist(), scope.extents)
+                del record["keys"]
+                record["kd"] = pack(d)
+                out.append(record)
         return out

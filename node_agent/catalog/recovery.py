@@ -26,7 +26,7 @@ from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.policy.extents import Extent
 from flatcake.node_agent.policy.gva import Medium
-from flatcake.node_agent.policy.placement import Key
+from flatcake.node_agent.policy.keyindex import hash_keys, pack
 from flatcake.node_agent.policy.scopes import Location, Scope
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def recover(
     scopes: dict[int, dict[str, Any]] = {}
     claims: list[tuple[int, int, int, int, int]] = []  # SSD: (file, start, end, record number, scope)
     slot_claims: dict[int, int] = {}  # DRAM slot -> scope that claimed it last
-    owner: dict[Key, int] = {}  # key -> scope that published it last
+    owner: dict[bytes, int] = {}  # key digest -> scope that published it last
     for seq, rec in enumerate(replay(journal_path, report)):
         out.records += 1
         try:
@@ -85,7 +85,8 @@ def recover(
             s = scopes.setdefault(sid, {"medium": rec["medium"], "keys": [], "locs": [], "crc": [], "slots": [],
                                         "ext": {}})  # fmt: skip
             locs = [Location(sid, g, st) for g, st in zip(rec["gva"], rec["stride"], strict=True)]
-            if len(locs) != len(rec["keys"]) or len(rec["crc"]) != len(rec["keys"]):
+            keys = _digests(rec)
+            if len(locs) != len(keys) or len(rec["crc"]) != len(keys):
                 raise ValueError("keys, gva and crc differ in length")
         except (KeyError, TypeError, ValueError) as exc:  # checksummed but not a record this agent wrote
             report.skipped_records += 1
@@ -96,11 +97,11 @@ def recover(
             s["ext"][at] = max(s["ext"].get(at, 0), e.length)
             claims.append((e.file, e.offset, e.end, seq, sid))
         s["slots"].extend(rec["slots"])
-        s["keys"].extend(rec["keys"])
+        s["keys"].extend(keys)
         s["locs"].extend(locs)
         s["crc"].extend(rec["crc"])
         slot_claims.update(dict.fromkeys(rec["slots"], sid))
-        owner.update(dict.fromkeys(rec["keys"], sid))
+        owner.update(dict.fromkeys(keys, sid))
     lost = _lost_space(claims, scopes)
     out.skipped_records, out.torn_bytes = report.skipped_records, report.torn_bytes
     out.total_pages = sum(len(s["keys"]) for s in scopes.values())
@@ -108,9 +109,9 @@ def recover(
         if sid in lost or any(slot_claims.get(x) != sid for x in s["slots"]):
             out.superseded_pages += len(s["keys"])
             continue
-        keep_keys: list[Key] = []
-        entries: dict[Key, Location] = {}
-        checksums: dict[Key, int] = {}
+        keep_keys: list[bytes] = []
+        entries: dict[bytes, Location] = {}
+        checksums: dict[bytes, int] = {}
         for key, loc, crc in zip(s["keys"], s["locs"], s["crc"], strict=True):
             if owner.get(key) != sid or key in entries:
                 out.superseded_pages += 1
@@ -126,7 +127,7 @@ def recover(
         if not keep_keys:
             continue  # nothing left to serve: its space stays free
         extents = [Extent(f, o, n) for (f, o), n in s["ext"].items()]
-        scope = Scope(sid, Medium(s["medium"]), 0, extents=extents, slots=list(s["slots"]), keys=keep_keys)
+        scope = Scope(sid, Medium(s["medium"]), 0, extents=extents, slots=list(s["slots"]))
         try:
             catalog.adopt(scope, entries, checksums)
         except ValueError as exc:  # space outside the pool or taken twice: never serve it
@@ -135,6 +136,7 @@ def recover(
             continue
         out.scopes += 1
         out.pages += len(keep_keys)
+    catalog.adopted()  # the shared index, in bulk
     if out.dropped_pages:
         log.warning("recovery dropped %d pages whose bytes no longer match their checksum", out.dropped_pages)
     if out.superseded_pages:
@@ -142,6 +144,21 @@ def recover(
                     "hid their release)", out.superseded_pages)  # fmt: skip
     out.done = True
     return out
+
+
+def _digests(rec: dict[str, Any]) -> list[bytes]:
+    """A publish record's keys as 16-byte digests: compacted records carry them (``kd``), others the
+    keys themselves (hashed here as the index hashes them)."""
+    if "kd" in rec:
+        blob = rec["kd"]
+        if not isinstance(blob, bytes) or len(blob) % 16:
+            raise ValueError("kd: not a whole number of 16-byte digests")
+    else:
+        d = hash_keys(rec["keys"])
+        if d is None:
+            raise ValueError("keys: a key is not str, bytes or int")
+        blob = pack(d)
+    return [blob[i : i + 16] for i in range(0, len(blob), 16)]
 
 
 def _extents(rec: dict[str, Any], file_bytes: int) -> list[Extent]:
@@ -189,9 +206,9 @@ def scan(
     work = [(sid, catalog.pages_of(sid)) for sid in sorted(catalog.unverified)]
     out.scan_pages = sum(len(pages) for _, pages in work)
 
-    def check(item: tuple[int, list[tuple[Key, Location, int]]]) -> tuple[int, int, list[tuple[Key, Location]]]:
+    def check(item: tuple[int, list[tuple[bytes, Location, int]]]) -> tuple[int, int, list[tuple[bytes, Location]]]:
         sid, pages = item
-        damaged: list[tuple[Key, Location]] = []
+        damaged: list[tuple[bytes, Location]] = []
         for i, (key, loc, crc) in enumerate(pages):
             if stop.is_set():
                 return sid, i, damaged

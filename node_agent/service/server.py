@@ -23,8 +23,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from flatcake import metrics as M
@@ -167,9 +168,10 @@ class Agent:
         return self.catalog.exists(P.keys_arg(args))
 
     def op_lookup(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
-        found = self.catalog.table.lookup_many(P.keys_arg(args))
-        hit = found.index(None) if None in found else len(found)
-        return {"hit": hit, **_columns(cast(list[Location], found[:hit]), gva=1, stride=2)}
+        found = self.catalog.table.find(P.keys_arg(args))
+        miss = np.flatnonzero(~found.hit)
+        hit = int(miss[0]) if miss.size else len(found.hit)
+        return {"hit": hit, "gva": found.gva[:hit].tolist(), "stride": found.stride[:hit].tolist()}
 
     def op_allocate(self, session: Session, args: dict[str, Any]) -> dict[str, Any] | None:
         hints = args.get("hints", {})

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from flatcake.loadgen.bench import agent as ba
@@ -24,3 +26,29 @@ def test_agent_benchmark_measures_every_point_side_by_side() -> None:
     assert all(r["journal_records"] >= r["calls"] for r in publishes)  # every publish journaled (+ reclaims)
     assert report["goal"]["lookup_4096_p99_ms"] is None  # no 4,096-key point was asked for
     assert "lookup" in ba.format_table({**report, "goal": {"lookup_4096_p99_ms": 0.0, "target_ms": 2.0}})
+
+
+def test_quick_mode_reports_every_summary_field_with_sane_values() -> None:
+    """The issue's summary, every field measured (smaller than ``--quick``); values sane, not fast."""
+    cfg = dataclasses.replace(ba.QUICK, seconds=0.2, index_keys=20_000, restart_bytes=(32 << 20, 64 << 20),
+                              soak_puts=1500)  # fmt: skip
+    report = ba.run(cfg, log=lambda _: None)
+    s = report["summary"]
+    assert set(ba.GOALS) <= set(s), set(ba.GOALS) - set(s)
+    for name in ("lookup_4096_p99_ms_1c", "lookup_4096_p99_ms_8c", "publish_4096_p50_ms_1c", "publish_4096_p50_ms_8c"):
+        assert 0 < s[name] < 60_000
+    assert 0.9 <= s["usable_capacity_fraction"] <= 1.0  # one-page scopes share files: nearly all of the pool
+    assert report["capacity"]["one_page_scopes"] == report["capacity"]["scopes_held"] > 8  # more scopes than files
+    for r, size in zip(report["restart"], cfg.restart_bytes, strict=True):
+        assert r["stored_bytes"] == size and r["scan_done"] and r["dropped_pages"] == 0
+        assert r["scan_bytes"] == size  # the background scan checked every stored page
+        assert 0 < r["restart_to_serving_s"] < 120
+    assert s["restart_full_verify_bytes_per_s"] > 0
+    assert 16 < s["index_bytes_per_key"] < 10_000 and report["index"]["keys"] == 20_000
+    j = report["journal"]
+    assert j["live_records"] > 0 and j["compacted_bytes"] < j["journal_bytes"]  # the soak churned
+    assert s["journal_bytes_per_live_record"] == j["journal_bytes"] / j["live_records"]
+    for name, g in report["goals"].items():
+        assert g["value"] == s[name] and (g["met"] is None) == (ba.GOALS.get(name) is None)
+    table = ba.format_table(report)
+    assert all(name in table for name in s)

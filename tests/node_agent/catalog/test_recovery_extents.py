@@ -37,7 +37,7 @@ def catalog(journal: Journal | None, files: int = 3, pages_per_file: int = 8) ->
 
 def allocation(c: LocalCatalog) -> tuple[dict[int, list[Extent]], list[Extent], dict[object, object]]:
     t = c.table
-    return {s.id: sorted(s.extents) for s in t.scopes.values()}, list(t.ssd.runs()), dict(t.entries)
+    return {s.id: sorted(s.extents) for s in t.scopes.values()}, list(t.ssd.runs()), dict(t.items())
 
 
 @pytest.mark.unit
@@ -49,8 +49,9 @@ def test_a_restart_rebuilds_identical_extents(steps: list[tuple[bool, int, int, 
         j = Journal(path, "never")
         c = catalog(j)
         names = iter(range(1 << 30))
+        published: list[str] = []
         for append, pick, n, abort in steps:
-            live = list(c.table.entries)
+            live = [k for k, loc in zip(published, c.table.lookup_many(published), strict=True) if loc is not None]
             parent = live[pick % len(live)] if append and live else None
             keys = [f"k{next(names)}" for _ in range(n)]
             try:
@@ -62,6 +63,7 @@ def test_a_restart_rebuilds_identical_extents(steps: list[tuple[bool, int, int, 
                 c.abort(alloc.id)
             else:
                 c.publish(alloc.id, [0] * n)
+                published += keys
         j.close()
         before = allocation(c)
         again = catalog(None)
@@ -131,7 +133,7 @@ def test_ten_one_page_sessions_share_one_file_across_an_agent_restart(tmp_path: 
             for i in range(10):
                 e.put([f"s{i}"], kv[i], SSD_HINTS)
         table = a.agent.catalog.table
-        files = {G.decode(loc.gva).offset // config.ssd.file_bytes for loc in table.entries.values()}
+        files = {G.decode(loc.gva).offset // config.ssd.file_bytes for _, loc in table.items()}
         assert files == {0} and table.usage()["ssd"]["used_bytes"] == 10 * 4 * 4096
         before = {s.id: sorted(s.extents) for s in table.scopes.values()}, list(table.ssd.runs())
     finally:

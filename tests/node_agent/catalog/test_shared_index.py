@@ -13,7 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flatcake.node_agent.catalog import shared_index as S
-from flatcake.node_agent.policy.scopes import Location
+from flatcake.node_agent.catalog.journal import Journal
+from flatcake.node_agent.catalog.local import LocalCatalog
+from flatcake.node_agent.catalog.recovery import recover
+from flatcake.node_agent.config import PlacementConfig
+from flatcake.node_agent.policy.placement import Hints
+from flatcake.node_agent.policy.scopes import Location, ScopeTable
 
 pytestmark = pytest.mark.unit
 
@@ -69,15 +74,17 @@ def test_insert_find_delete_and_rebuild(tmp_path: Path) -> None:
     assert r.find(keys) is None  # the agent stopped: ask it (and fail), never trust the table
 
 
-def test_a_full_table_falls_back_to_the_agent_until_rebuilt(tmp_path: Path) -> None:
+def test_a_table_that_fills_grows_and_readers_follow(tmp_path: Path) -> None:
+    """The agent's only index never leaves an entry out: more keys than fit make a larger table,
+    which readers reopen."""
     w = S.SharedIndexWriter(tmp_path / "idx", 1024)
     r = S.SharedIndexReader(tmp_path / "idx")
     keys = list(range(1100))  # more than the table holds
-    entries = {k: loc(k) for k in keys}
-    w.insert(keys, list(entries.values()))
-    assert w.wants_rebuild() and r.hit_prefix(keys) is None  # incomplete: it cannot say "miss"
-    w.rebuild(entries)
-    assert w.stats()["slots"] >= 2048 and r.hit_prefix(keys) == 1100
+    w.insert(keys, [loc(k) for k in keys])
+    assert w.stats()["slots"] >= 2048 and w.stats()["entries"] == 1100 and w.rebuilds >= 1
+    assert r.hit_prefix(keys) == 1100
+    found = r.find(keys)
+    assert found is not None and found[1].tolist() == [loc(k).gva for k in keys]
 
 
 def test_a_new_writer_retires_the_previous_agents_table(tmp_path: Path) -> None:
@@ -160,3 +167,36 @@ def test_readers_never_see_a_torn_or_foreign_entry(tmp_path: Path) -> None:
     writer.join(10)
     assert writer.exitcode == 0
     assert checked > 20 and hits > 1000
+
+
+def test_recovery_fills_the_index_in_bulk_once_it_has_adopted_every_scope(tmp_path: Path) -> None:
+    """Restart: the recovered entries reach the shared index in one bulk insert at the end (one
+    insert per scope cost more than the rest of recovery), and every one of them is found there."""
+    table = ScopeTable(node_id=1, layers=1, page_bytes=4096, file_bytes=64 * 4096, files=64, dram_slots=0,
+                       high_watermark=1.0, low_watermark=1.0)  # fmt: skip
+    j = Journal(tmp_path / "j.log", "never")
+    first = LocalCatalog(table, PlacementConfig(), j)
+    keys = [[f"s{s}-p{p}" for p in range(16)] for s in range(200)]  # 200 scopes
+    for scope_keys in keys:
+        a = first.allocate(scope_keys, Hints())
+        assert a is not None
+        first.publish(a.id, list(range(16)))
+    j.close()
+    again = ScopeTable(node_id=1, layers=1, page_bytes=4096, file_bytes=64 * 4096, files=64, dram_slots=0,
+                       high_watermark=1.0, low_watermark=1.0)  # fmt: skip
+    writer = S.SharedIndexWriter(tmp_path / "idx", 8192)
+    c = LocalCatalog(again, PlacementConfig(), index=writer)
+    calls: list[int] = []
+    put = writer.put
+    writer.put = lambda d, *cols: (calls.append(len(d[0])), put(d, *cols))[1]  # type: ignore[method-assign]
+    assert recover(c, tmp_path / "j.log", None).pages == 3200
+    assert calls == [3200]  # one insert for all 200 scopes, not one each
+    reader = S.SharedIndexReader(tmp_path / "idx")
+    flat = [k for ks in keys for k in ks]
+    found = reader.find(flat)
+    assert found is not None and found[0].all()
+    assert found[1].tolist() == [again.lookup(k).gva for k in flat]  # type: ignore[union-attr]
+    # A later free still leaves the index: the bulk insert came first.
+    assert again.drop(again.lookup(flat[0]).scope)  # type: ignore[union-attr]
+    assert reader.hit_prefix(flat[:16]) == 0 and reader.hit_prefix(flat[16:32]) == 16
+    writer.close()

@@ -159,7 +159,7 @@ def test_ten_one_page_sessions_use_one_file_and_read_back_bit_exact(make_engine:
     for i in range(10):  # ten sessions, one page each, each its own scope
         assert e.put([f"s{i}"], kv[i], Hints(turn=1)).medium is Medium.SSD
     assert len(e.table.scopes) == 10
-    files = {G.decode(loc.gva).offset // e.config.ssd.file_bytes for loc in e.table.entries.values()}
+    files = {G.decode(loc.gva).offset // e.config.ssd.file_bytes for _, loc in e.table.items()}
     assert files == {0}  # they share the first file, back to back (whole files took all ten before)
     assert e.usage()["ssd"]["used_bytes"] == 10 * 4 * 4096
     dest, missing = restore(e, [f"s{i}" for i in range(10)])
@@ -169,7 +169,7 @@ def test_ten_one_page_sessions_use_one_file_and_read_back_bit_exact(make_engine:
     more = pages(4, 3, 4096, seed=99)
     for parent in ("s9", "s0"):
         e.put([f"{parent}-t2-{j}" for j in range(3)], more, Hints(turn=2, parent_key=parent))
-    assert [len(s.extents) for s in (e.table.scopes[e.table.entries[k].scope] for k in ("s9", "s0"))] == [1, 2]
+    assert [len(s.extents) for s in (e.table.scopes[e.table.lookup(k).scope] for k in ("s9", "s0"))] == [1, 2]
     for parent in ("s9", "s0"):
         keys = [parent] + [f"{parent}-t2-{j}" for j in range(3)]
         before = e.stats.get("read_commands")

@@ -120,7 +120,7 @@ def check_table(t: ScopeTable, pending: list[Reservation]) -> None:
         assert e.offset % SPAN == 0 and e.length % SPAN == 0
     assert all(e.length % SPAN == 0 for e in t.ssd.runs())  # free runs are whole pages
     assert t.used(Medium.SSD) == sum(s.units() for s in t.scopes.values())
-    for key, loc in t.entries.items():  # every page lies inside its scope's extents
+    for key, loc in t.items():  # every page lies inside its scope's extents (key: its digest)
         scope = t.scopes[loc.scope]
         assert key in scope.keys
         file, offset = divmod(loc.gva & ((1 << 48) - 1), t.file_bytes)
@@ -152,8 +152,9 @@ def test_random_put_and_reclaim_sequences_keep_space_exact(
     assert t.ssd.capacity == files * pages_per_file * SPAN  # the sub-page tail of each file is never used
     pending: list[Reservation] = []
     names = iter(range(1 << 30))
+    published: list[str] = []  # the table keeps key digests; the parent hint is a key
     for op, pick, n in seq:
-        live = [k for s in t.scopes.values() for k in s.keys]
+        live = [k for k, loc in zip(published, t.lookup_many(published), strict=True) if loc is not None]
         try:
             if op == "new":
                 pending.append(t.reserve([f"k{next(names)}" for _ in range(n)], None, SSD))
@@ -165,6 +166,7 @@ def test_random_put_and_reclaim_sequences_keep_space_exact(
         if op in ("publish", "abort") and pending:
             res = pending.pop(pick % len(pending))
             (t.publish if op == "publish" else t.abort)(res)
+            published += res.keys if op == "publish" else []
         elif op == "free":
             idle = [s for s in t.scopes.values() if s.pins == 0 and s.keys]
             if idle:

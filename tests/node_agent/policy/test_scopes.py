@@ -90,10 +90,10 @@ def test_a_put_larger_than_any_free_run_is_split_across_runs() -> None:
 def test_full_pool_raises_and_changes_nothing() -> None:
     t = table()
     held = t.reserve([f"k{i}" for i in range(16)], None, SSD)  # all 4 files, pinned (in flight)
-    before = (t.used(Medium.SSD), dict(t.entries))
+    before = (t.used(Medium.SSD), dict(t.items()))
     with pytest.raises(PoolFullError, match="file_count"):
         t.reserve(["z"], None, SSD)
-    assert (t.used(Medium.SSD), dict(t.entries)) == before and t.new_keys(["z"]) == [0]
+    assert (t.used(Medium.SSD), dict(t.items())) == before and t.new_keys(["z"]) == [0]
     t.publish(held)
 
 
@@ -106,7 +106,7 @@ def test_reclaim_frees_whole_unpinned_scopes_oldest_first() -> None:
         scopes.append(res.scope)
     loc = t.lookup("a1")
     assert loc is not None
-    assert t.pin(["a1"], [loc]) == []  # 'a' is oldest but pinned by a reader
+    assert t.pin(["a1"]).hit.all()  # 'a' is oldest but pinned by a reader
     res = t.reserve(["d1"], None, SSD)  # 4th file crosses the high watermark: reclaim to the low one
     t.publish(res)
     assert t.lookup("a1") is not None  # pinned: never reclaimed
@@ -115,14 +115,15 @@ def test_reclaim_frees_whole_unpinned_scopes_oldest_first() -> None:
     t.unpin({loc.scope})
 
 
-def test_pin_detects_a_reclaimed_entry() -> None:
+def test_pin_detects_a_reclaimed_entry_and_pins_nothing() -> None:
     t = table()
     res = t.reserve(["a"], None, SSD)
     t.publish(res)
-    stale = t.lookup("a")
-    assert stale is not None
+    other = t.reserve(["b"], None, SSD)
+    t.publish(other)
     t._free_scope(res.scope, count=True)
-    assert t.pin(["a"], [stale]) == [0]
+    assert t.pin(["b", "a"]).hit.tolist() == [True, False]  # looked up and pinned in one step, under the lock
+    assert other.scope.pins == 0  # not every key was there: nothing pinned
 
 
 def test_dram_full_overflows_to_ssd() -> None:

@@ -30,7 +30,9 @@ def info(prefix: list[str] | None) -> HiCacheStorageExtraInfo:
 
 
 def scope_of(agent: AgentThread, key: str) -> int:
-    return int(agent.agent.catalog.table.entries[key + "@tp0of1"].scope)
+    loc = agent.agent.catalog.table.lookup(key + "@tp0of1")
+    assert loc is not None
+    return int(loc.scope)
 
 
 def medium_of(agent: AgentThread, key: str) -> str:
