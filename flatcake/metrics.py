@@ -67,8 +67,11 @@ _SPECS = [
         "counter",
         ("kind",),
         "",
-        "Journal writes that failed: append (the put failed, nothing published) or sync (background fsync).",
+        "Journal writes that failed: append (the put failed, nothing published), sync (background fsync) or "
+        "compact (online compaction; the old journal stays in use).",
     ),
+    Spec("flatcake_journal_bytes", "gauge", (), "bytes", "Size of the agent's journal (compacted online)."),
+    Spec("flatcake_journal_compactions", "counter", (), "", "Journal compactions: at start and online."),
     Spec(
         "flatcake_agent_dropped_connections",
         "counter",

@@ -27,6 +27,7 @@ from flatcake.node_agent.constants import (
     watermark_problem,
 )
 
+KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -113,6 +114,10 @@ class AgentConfig:
     http_max_connections: int = 64  # HTTP connections served at once; more are closed at accept
     journal_fsync: str = "interval"  # always | interval | never (see node_agent/journal.py)
     journal_fsync_ms: int = 100
+    # Online compaction: rewrite the journal as the live records (clients go on meanwhile) once it is
+    # this many times its size after the last compaction, and at least journal_compact_bytes.
+    journal_compact_ratio: float = 2.0
+    journal_compact_bytes: int = 64 * KiB
     # Check every recovered page's crc32 after a restart: in the background once serving, and on every
     # read of a scope not yet checked (recovery itself reads no page: restart is O(journal records)).
     verify_on_recovery: bool = True
@@ -195,7 +200,11 @@ class EngineConfig:
         _one_of(self.agent.journal_fsync, JOURNAL_FSYNC_POLICIES, "agent.journal_fsync")
         if not 0 <= self.agent.metrics_port <= 65535:
             raise ConfigError(f"agent.metrics_port: {self.agent.metrics_port} is not a TCP port (0 picks a free one)")
-        _positive(self.agent, "journal_fsync_ms", "http_max_connections", "max_clients", prefix="agent.")
+        _positive(self.agent, "journal_fsync_ms", "journal_compact_bytes", "http_max_connections", "max_clients",
+                  prefix="agent.")  # fmt: skip
+        if not self.agent.journal_compact_ratio > 1:
+            raise ConfigError(f"agent.journal_compact_ratio: {self.agent.journal_compact_ratio} must be > 1 (growth "
+                              "over the compacted size that triggers a compaction; default 2)")  # fmt: skip
         if self.agent.shared_index_slots < 0:
             raise ConfigError(f"agent.shared_index_slots: {self.agent.shared_index_slots} must be >= 0 "
                               "(0: sized from the pools)")  # fmt: skip

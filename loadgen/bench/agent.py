@@ -481,7 +481,7 @@ def latency(cfg: AgentBenchConfig, root: Path, log: Callable[[str], None]) -> li
                     row.update(op=op, batch=batch, clients=clients, in_process_p50_ms=local["p50_ms"],
                                in_process_calls_per_s=local["calls_per_s"],
                                agent_vs_in_process_p50=row["p50_ms"] / local["p50_ms"] if local["p50_ms"] else 0.0,
-                               journal_records=after["journal_records"] - before["journal_records"])  # fmt: skip
+                               journal_records=after["journal_appends"] - before["journal_appends"])  # fmt: skip
                     rows.append(row)
         conn.close()
     finally:

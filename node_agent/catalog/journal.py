@@ -19,6 +19,7 @@ fsync policy (``journal_fsync``):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -73,6 +74,8 @@ class Journal:
         *,
         gid: int = -1,
         write: Callable[[int, bytes], int] = os.write,
+        compact_min_bytes: int = 64 << 10,
+        compact_ratio: float = 2.0,
     ) -> None:
         if fsync not in POLICIES:
             raise ValueError(f"journal_fsync: {fsync!r} must be one of {POLICIES}")
@@ -86,9 +89,18 @@ class Journal:
         self._dirty = False
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
-        self.records = 0
+        self.records = 0  # in the file now
+        self.appended = 0  # by this process, ever (compaction does not lower it)
         self.append_errors = 0
         self.sync_errors = 0
+        # Online compaction is due once the file reaches ``compact_ratio`` times its size after the last
+        # one (and at least ``compact_min_bytes``): its size stays proportional to the live records.
+        self.compact_min_bytes = compact_min_bytes
+        self.compact_ratio = compact_ratio
+        self._compact_at = max(compact_min_bytes, int(self._size * compact_ratio))
+        self.compactions = 0
+        self.compact_errors = 0
+        self.due_event = threading.Event()  # set by an append that makes compaction due
         if fsync == "interval":
             self._flusher = threading.Thread(target=self._flush_loop, args=(fsync_ms / 1000,), daemon=True)
             self._flusher.start()
@@ -118,7 +130,10 @@ class Journal:
                 ) from exc  # fmt: skip
             self._size = start + n
             self.records += 1
+            self.appended += 1
             self._dirty = self.policy != "always"
+            if self._size >= self._compact_at:
+                self.due_event.set()
 
     def _cut(self, size: int) -> None:
         """Remove a partly written record so the next append follows a whole one. Should even this
@@ -156,32 +171,88 @@ class Journal:
 
     def rewrite(self, records: list[dict[str, Any]]) -> None:
         """Replace the journal with ``records`` (a snapshot), atomically and durably: the new file is
-        synced, renamed over the old one, and the directory synced so the rename survives power loss."""
-        tmp = self.path.with_suffix(".tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660)
-            try:
-                share_fd(fd, self._gid)
-                data = b"".join(map(encode, records))
-                view = memoryview(data)
-                while view:  # os.write may write less than asked
-                    n = os.write(fd, view)
-                    if n == 0:
-                        raise OSError(errno.ENOSPC, "no progress writing the compacted journal")
-                    view = view[n:]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        synced, renamed over the old one, and the directory synced so the rename survives power loss.
+        Nothing may append meanwhile (the agent calls it before serving); ``compact`` is the online form."""
+        self._replace(records, None)
+
+    def mark(self) -> tuple[int, int]:
+        """Where the journal ends now (bytes, records): taken with a snapshot of the state it describes."""
         with self._lock:
-            os.replace(tmp, self.path)
+            return self._size, self.records
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def due(self) -> bool:
+        """Whether the journal has outgrown its last compacted size by the configured ratio."""
+        return self._size >= self._compact_at
+
+    def compact(self, records: list[dict[str, Any]], mark: tuple[int, int]) -> None:
+        """Online compaction: replace the journal by ``records`` (the live state as of ``mark``) followed by
+        every record appended since ``mark``, while appends go on. Appends wait only while that tail is
+        copied and the new file renamed into place; a failure leaves the old journal in use."""
+        self._replace(records, mark)
+
+    def _replace(self, records: list[dict[str, Any]], mark: tuple[int, int] | None) -> None:
+        try:
+            self._swap(records, mark)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.path.with_suffix(".tmp").unlink(missing_ok=True)
+            with self._lock:  # do not retry at once: wait for as much growth again
+                self._compact_at = max(self.compact_min_bytes, int(self._size * self.compact_ratio))
+            raise
+        try:  # the rename is done; until the directory is synced only a power loss could undo it
             fsync_dir(self.path.parent)
-            os.close(self._fd)
-            self._fd = self._open()
-            self._size = os.fstat(self._fd).st_size
-            self.records = len(records)
+        except OSError as exc:
+            log.error("journal %s: could not sync its directory after compaction: %s", self.path, exc)
+
+    def _swap(self, records: list[dict[str, Any]], mark: tuple[int, int] | None) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        # O_APPEND: after the rename this descriptor is the journal's, so nothing is reopened once the
+        # old file is gone (a failed reopen would leave appends going to an unlinked file).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o660)
+        try:
+            share_fd(fd, self._gid)
+            _write_all(fd, b"".join(map(encode, records)))
+            os.fsync(fd)  # the bulk, outside the append lock
+            with self._lock:
+                tail = b"" if mark is None else _read_range(self.path, mark[0], self._size)
+                if tail:
+                    _write_all(fd, tail)
+                    os.fsync(fd)
+                os.replace(tmp, self.path)
+                old, self._fd = self._fd, fd
+                with contextlib.suppress(OSError):  # the old file is already replaced
+                    os.close(old)
+                self._size = os.fstat(fd).st_size
+                self.records = len(records) + (0 if mark is None else self.records - mark[1])
+                self._dirty = False
+                self._compact_at = max(self.compact_min_bytes, int(self._size * self.compact_ratio))
+                self.compactions += 1
+        except BaseException:
+            if self._fd != fd:
+                os.close(fd)
+            raise
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:  # os.write may write less than asked
+        n = os.write(fd, view)
+        if n == 0:
+            raise OSError(errno.ENOSPC, "no progress writing the compacted journal")
+        view = view[n:]
+
+
+def _read_range(path: Path, start: int, end: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    if len(data) != end - start:
+        raise OSError(errno.EIO, f"journal {path}: read {len(data)} of {end - start} bytes of its tail")
+    return data
 
 
 def _frame_at(data: bytes, at: int) -> tuple[bytes, int] | None:

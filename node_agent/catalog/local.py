@@ -95,6 +95,9 @@ class LocalCatalog:
         self._leases: dict[int, set[int]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        # Held from a publish's journal append until its pages are in the table, and by a compaction's
+        # snapshot: a snapshot then never holds a record's effect without the record, or the reverse.
+        self._commit = threading.Lock()
         # Recovered scopes the background scan has not checked yet (catalog/recovery.py ``Scan``).
         self.unverified: set[int] = set()
         self._adopted: list[Any] = []  # recovered pages' index entries, indexed in bulk (``adopted``)
@@ -146,15 +149,16 @@ class LocalCatalog:
         if len(checksums) != len(res.keys):
             self.table.abort(res)
             raise ValueError(f"checksums: {len(checksums)} given for {len(res.keys)} pages; allocation aborted")
-        if self.journal is not None:  # durable before visible
-            try:
-                self.journal.append(
-                    publish_record(res.scope, res.keys, res.locations, res.slots, checksums, res.extents)
-                )
-            except BaseException:  # not journaled, so never visible: give the keys and the space back
-                self.table.abort(res)
-                raise
-        self.table.publish(res, checksums)
+        with self._commit:
+            if self.journal is not None:  # durable before visible
+                try:
+                    self.journal.append(
+                        publish_record(res.scope, res.keys, res.locations, res.slots, checksums, res.extents)
+                    )
+                except BaseException:  # not journaled, so never visible: give the keys and the space back
+                    self.table.abort(res)
+                    raise
+            self.table.publish(res, checksums)
         self.placements.add(res.decision, len(res.keys))
 
     def abort(self, alloc_id: int) -> None:
@@ -227,20 +231,35 @@ class LocalCatalog:
         with self._lock:
             return len(self._allocs), len(self._leases)
 
+    def compact_journal(self) -> bool:
+        """Compact the journal online (when it is due): the live state is snapshotted with the journal's
+        end under the commit and table locks, and written while clients go on. False when not due."""
+        journal = self.journal
+        if journal is None or not journal.due():
+            return False
+        with self._commit, self.table.lock:
+            records = self._snapshot_locked()
+            mark = journal.mark()
+        journal.compact(records, mark)
+        return True
+
     def snapshot_records(self) -> list[dict[str, Any]]:
         """The live state as journal records, for compaction. The keys are their digests (``kd``: 16
         bytes each): the catalog keeps no key object (policy/keyindex.py)."""
+        with self.table.lock:
+            return self._snapshot_locked()
+
+    def _snapshot_locked(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         t = self.table
-        with t.lock:
-            for scope in t.scopes.values():
-                if not scope.keys:
-                    continue
-                d = scope.keys.digests()
-                found = t.find_digests(d)
-                locs = cast(list[Location], as_locations(found))
-                record = publish_record(scope, [], locs, scope.slots, found.crc.tolist(), scope.extents)
-                del record["keys"]
-                record["kd"] = pack(d)
-                out.append(record)
+        for scope in t.scopes.values():
+            if not scope.keys:
+                continue
+            d = scope.keys.digests()
+            found = t.find_digests(d)
+            locs = cast(list[Location], as_locations(found))
+            record = publish_record(scope, [], locs, scope.slots, found.crc.tolist(), scope.extents)
+            del record["keys"]
+            record["kd"] = pack(d)
+            out.append(record)
         return out

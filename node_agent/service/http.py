@@ -137,6 +137,8 @@ class AgentCollector(Collector):
             yield M.family("flatcake_shared_index_slots", slots)
             yield M.family("flatcake_shared_index_rebuilds", [((), index["rebuilds"])])
         yield M.family("flatcake_journal_errors", [((kind,), n) for kind, n in a.journal_errors().items()])
+        yield M.family("flatcake_journal_bytes", [((), a.journal.size if a.journal else 0)])
+        yield M.family("flatcake_journal_compactions", [((), a.journal.compactions if a.journal else 0)])
         dropped = {reason: 0 for reason in M.DROP_REASONS} | dict(a.dropped)
         dropped["http_busy"] = a.http_server.refused if a.http_server is not None else 0
         yield M.family("flatcake_agent_dropped_connections", [((k,), n) for k, n in dropped.items()])

@@ -98,6 +98,7 @@ class Agent:
         self.metrics_port = c.agent.metrics_port
         self._scan_stop = threading.Event()
         self._scanner: threading.Thread | None = None
+        self._compactor: threading.Thread | None = None
 
     def _shared_index(self, max_pages: int) -> SharedIndexWriter | None:
         """The shared-memory index clients look keys up in (catalog/shared_index.py), next to the DRAM
@@ -127,12 +128,17 @@ class Agent:
             self.catalog.unverified = set(self.catalog.table.scopes)
         else:
             self.recovered.scan_done = True
-        journal = Journal(journal_path, c.agent.journal_fsync, c.agent.journal_fsync_ms, gid=self.gid)
+        journal = Journal(journal_path, c.agent.journal_fsync, c.agent.journal_fsync_ms, gid=self.gid,
+                          compact_min_bytes=c.agent.journal_compact_bytes,
+                          compact_ratio=c.agent.journal_compact_ratio)  # fmt: skip
         try:
             journal.rewrite(self.catalog.snapshot_records())  # compact: live state only
         except OSError as exc:  # a full disk at start: keep the (valid, tail-trimmed) journal as it is
             log.error("journal compaction failed, continuing with the uncompacted journal: %s", exc)
         self.catalog.journal = self.journal = journal
+        self._compactor = threading.Thread(target=self._compact_loop, args=(journal,),
+                                           name="flatcake-journal-compactor", daemon=True)  # fmt: skip
+        self._compactor.start()
         r = self.recovered
         log.info(
             "recovered %d pages in %d scopes from %d journal records (%d dropped, %d superseded, %d damaged "
@@ -259,13 +265,17 @@ class Agent:
             "clients": len(self.sessions), "open_allocations": allocs, "leases": leases,
             "recovered": asdict(self.recovered), "client_stats": dict(self.client_stats),
             "journal_records": self.journal.records if self.journal else 0, "epoch": self.epoch,
+            "journal_bytes": self.journal.size if self.journal else 0,
+            "journal_appends": self.journal.appended if self.journal else 0,
+            "journal_compactions": self.journal.compactions if self.journal else 0,
             "journal_errors": self.journal_errors(), "dropped_connections": dict(self.dropped),
             "service_seconds": self.service_seconds(),
         }  # fmt: skip
 
     def journal_errors(self) -> dict[str, int]:
         j = self.journal
-        return {"append": j.append_errors if j else 0, "sync": j.sync_errors if j else 0}
+        return {"append": j.append_errors if j else 0, "sync": j.sync_errors if j else 0,
+                "compact": j.compact_errors if j else 0}  # fmt: skip
 
     def handle_frame(self, session: Session, body: bytes) -> tuple[str, dict[str, Any]]:
         """The reply to one request frame, and the op it was (for metrics); never raises."""
@@ -434,10 +444,27 @@ class Agent:
         finally:
             close_fds(fds)
 
+    def _compact_loop(self, journal: Journal) -> None:
+        """Compact the journal online whenever an append makes it due: its size stays within
+        ``journal_compact_ratio`` of the live records' (plus ``journal_compact_bytes``)."""
+        while True:
+            journal.due_event.wait()
+            if self._scan_stop.is_set():
+                return
+            journal.due_event.clear()
+            try:
+                self.catalog.compact_journal()
+            except OSError as exc:  # a full disk: the old journal stays in use; retried after as much growth
+                journal.compact_errors += 1
+                log.error("journal %s: online compaction failed, keeping the journal as it is: %s", journal.path, exc)
+
     def close(self) -> None:
         self._scan_stop.set()
         if self._scanner is not None:
             self._scanner.join(30)
+        if self._compactor is not None and self.journal is not None:
+            self.journal.due_event.set()
+            self._compactor.join(30)
         if self.http_server is not None:
             self.http_server.shutdown()
             self.http_server.server_close()
