@@ -17,7 +17,12 @@ from flatcake import metrics as M
 
 ROOT = Path(__file__).resolve().parent.parent / "dashboards"
 NAMES = ("overview", "storage-io", "scheduler", "capacity")
-_METRIC = re.compile(r"\bflatcake_[a-z0-9_]+")
+# A series name and its selector, if any. Dashboard variable -> the label it filters: catalogue
+# metrics with a `system` label are counted by serving processes (emulator, engine, load generator);
+# every other one is served by the node agents, whose `instance` is what `node` lists.
+_SERIES = re.compile(r"\b(flatcake_[a-z0-9_]+)(\{[^}]*\})?")
+_RANGE = re.compile(r"\[([^\]]*)\]")
+VARIABLES = {"system": "system", "node": "instance"}
 
 
 def render(name: str, templates: Path = ROOT / "templates") -> dict[str, Any]:
@@ -52,4 +57,53 @@ def series_names() -> set[str]:
 
 def unknown_metrics(dashboard: dict[str, Any]) -> set[str]:
     known = series_names()
-    return {m for e in expressions(dashboard) for m in _METRIC.findall(e)} - known
+    return {s for e in expressions(dashboard) for s, _ in _SERIES.findall(e)} - known
+
+
+def spec_of(series: str) -> M.Spec:
+    """The catalogue entry behind a series name (counters add _total; histograms _bucket, _sum, _count)."""
+    for suffix in ("", "_total", "_bucket", "_sum", "_count"):
+        if series.endswith(suffix) and series.removesuffix(suffix) in M.CATALOG:
+            return M.CATALOG[series.removesuffix(suffix)]
+    raise KeyError(f"{series}: not a series of the catalogue in flatcake/metrics.py")
+
+
+def applicable_variable(spec: M.Spec) -> str:
+    """The dashboard variable that filters ``spec``'s series (see VARIABLES)."""
+    return "system" if "system" in spec.labels else "node"
+
+
+def unfiltered(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, series) for every series selector that lacks its variable's matcher,
+    ``label=~"$variable"``: a panel that ignores the variables the viewer picked."""
+    out = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            for series, selector in _SERIES.findall(target["expr"]):
+                var = applicable_variable(spec_of(series))
+                if f'{VARIABLES[var]}=~"${var}"' not in selector:
+                    out.append((panel["title"], series))
+    return out
+
+
+def fixed_ranges(expr: str) -> list[str]:
+    """Range selectors other than Grafana's ``$__rate_interval``, which follows the scrape interval
+    and the panel's resolution (a fixed ``[5m]`` is too long when zoomed in, too short zoomed out)."""
+    return [r for r in _RANGE.findall(expr) if r != "$__rate_interval"]
+
+
+def rate_interval(scrape_interval_s: float, interval_s: float) -> float:
+    """Grafana's ``$__rate_interval``: max($__interval + scrape interval, 4 x scrape interval), the
+    scrape interval being the data source's setting (Grafana's default 15 s)."""
+    return max(interval_s + scrape_interval_s, 4 * scrape_interval_s)
+
+
+def concrete(expr: str, values: dict[str, str], rate_interval_s: float) -> str:
+    """``expr`` as Grafana sends it to Prometheus: variables replaced (``values``: name -> regex,
+    ``.*`` for All) and ``$__rate_interval`` in whole milliseconds."""
+    out = expr.replace("$__rate_interval", f"{round(rate_interval_s * 1000)}ms")
+    for name, value in values.items():
+        out = out.replace(f"${name}", value)
+    if "$" in out:
+        raise ValueError(f"{expr}: a variable is left after substituting {sorted(values)}")
+    return out

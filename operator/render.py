@@ -393,12 +393,21 @@ def reclaim_daemon_set(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
     return ds
 
 
+# The Prometheus job of every agent target: the ServiceMonitor's jobLabel reads it from the Service
+# (otherwise the job is the Service's name, `<cache>-metrics`), so one alert rule matches every cache
+# (FlatCakeAgentDown in dashboards/prometheus-rules.yml).
+JOB_LABEL = "flatcake.io/job"
+AGENT_JOB = "flatcake-agent"
+
+
 def service(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
     """Headless: Prometheus scrapes every agent, not one behind a virtual IP."""
+    meta = _meta(cache, names(cache)["service"])
+    meta["labels"] = {**meta["labels"], JOB_LABEL: AGENT_JOB}
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(cache, names(cache)["service"]),
+        "metadata": meta,
         "spec": {
             "clusterIP": "None",
             "selector": {"flatcake.io/cache": cache.name, "app.kubernetes.io/component": "agent"},
@@ -415,6 +424,7 @@ def service_monitor(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
         "kind": "ServiceMonitor",
         "metadata": meta,
         "spec": {
+            "jobLabel": JOB_LABEL,
             "selector": {"matchLabels": {"flatcake.io/cache": cache.name, "app.kubernetes.io/component": "agent"}},
             "namespaceSelector": {"matchNames": [cache.namespace]},
             "endpoints": [{"port": "metrics", "path": "/metrics", "interval": spec.service_monitor_interval}],

@@ -338,6 +338,8 @@ def test_rendered_objects_validate_against_kubernetes_schemas() -> None:
             kubernetes_validate.validate(obj, KUBERNETES, strict=True)
         monitor = render.service_monitor(parsed, CACHE)
         assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+        # Prometheus names every agent target's job after this Service label (FlatCakeAgentDown uses it).
+        assert render.service(parsed, CACHE)["metadata"]["labels"][monitor["spec"]["jobLabel"]] == render.AGENT_JOB
 
 
 @pytest.mark.integration
