@@ -68,7 +68,10 @@ def test_kvikio_mode_is_what_kvikio_resolves_in_each_api_generation() -> None:
 
 @pytest.mark.integration
 def test_dry_run_prints_the_plan_and_rehearses_it_on_the_cpu(tmp_path: Path) -> None:
-    env = {**os.environ, "FLATCAKE_PYTHON": sys.executable, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # The checkout itself must not be on the path: its top-level `operator` package would shadow the
+    # standard library's (the script imports the package from its own link tree).
+    path = [p for p in sys.path if p and Path(p).resolve() != ROOT.resolve()]
+    env = {**os.environ, "FLATCAKE_PYTHON": sys.executable, "PYTHONPATH": os.pathsep.join(path)}
     out = tmp_path / "report.json"
     done = subprocess.run(["bash", str(ROOT / "bin" / "gpu-check"), "--dry-run", "--dir", str(tmp_path / "scratch"),
                            "--json", str(out)], capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
