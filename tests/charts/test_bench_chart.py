@@ -249,3 +249,18 @@ def test_sglang_affinity_uses_the_operators_ready_label_for_long_names() -> None
     pod = find(docs, "Deployment", "-sglang")["spec"]["template"]["spec"]
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
     assert term["matchExpressions"][0]["key"] == R.ready_label(R.Cache(cache, "bench", ""))
+
+
+def test_target_api_chat_reaches_both_roles() -> None:
+    """`loadgen bench --api` accepts chat (/v1/chat/completions); the chart's schema admits it and both
+    Jobs pass it on."""
+    docs = render_chart(
+        *BASE, "--set", "emulator.enabled=true", "--set", "target.api=chat", chart=CHART, release="bench"
+    )
+    jobs = [d for d in docs if d["kind"] == "Job"]
+    assert len(jobs) == 2
+    for job in jobs:
+        args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--api") + 1] == "chat"
+    out = helm("template", "bench", str(CHART), *BASE, "--set", "emulator.enabled=true", "--set", "target.api=grpc")
+    assert out.returncode != 0 and "api" in out.stderr
