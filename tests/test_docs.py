@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from flatcake import crds
 from flatcake import metrics as M
 from flatcake.node_agent.config import EngineConfig
 
@@ -20,6 +21,13 @@ def test_the_metrics_page_holds_the_generated_catalogue() -> None:
     text = (DOCS / "metrics.md").read_text()
     assert M.markdown_table() in text, "docs/metrics.md is stale: run bin/generate"
     assert all(f"`{M.exposed_name(s)}`" in text for s in M.CATALOG.values())
+
+
+def test_the_configuration_page_holds_the_generated_crd_table() -> None:
+    text = (DOCS / "configuration.md").read_text()
+    table = crds.markdown_table()
+    assert f"{crds.TABLE_BEGIN}\n{table}\n{crds.TABLE_END}" in text, "docs/configuration.md is stale: run bin/generate"
+    assert "| `ssd.devices` | array of string |" in table and "| `wipePolicy` | Refuse \\| Wipe |" in table
 
 
 def _fields(cls: type, prefix: str = "") -> list[str]:

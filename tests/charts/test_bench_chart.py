@@ -127,7 +127,7 @@ def test_sglang_example_matches_sglangs_parser_and_the_agents_paths(name: str) -
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(container["args"])  # exits on an unknown or malformed flag
-    assert args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic" and args.page_size == 64
+    assert args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic" and args.page_size == 256
     extra = json.loads(args.hicache_storage_backend_extra_config)
     module = __import__(extra["module_path"], fromlist=[extra["class_name"]])
     assert issubclass(getattr(module, extra["class_name"]), HiCacheStorage)
@@ -249,3 +249,29 @@ def test_sglang_affinity_uses_the_operators_ready_label_for_long_names() -> None
     pod = find(docs, "Deployment", "-sglang")["spec"]["template"]["spec"]
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
     assert term["matchExpressions"][0]["key"] == R.ready_label(R.Cache(cache, "bench", ""))
+
+
+def test_target_api_chat_reaches_both_roles() -> None:
+    """`loadgen bench --api` accepts chat (/v1/chat/completions); the chart's schema admits it and both
+    Jobs pass it on."""
+    docs = render_chart(
+        *BASE, "--set", "emulator.enabled=true", "--set", "target.api=chat", chart=CHART, release="bench"
+    )
+    jobs = [d for d in docs if d["kind"] == "Job"]
+    assert len(jobs) == 2
+    for job in jobs:
+        args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--api") + 1] == "chat"
+    out = helm("template", "bench", str(CHART), *BASE, "--set", "emulator.enabled=true", "--set", "target.api=grpc")
+    assert out.returncode != 0 and "api" in out.stderr
+
+
+def test_one_page_size_drives_sglang_and_the_ideal_line() -> None:
+    """Issue 18: SGLang's --page-size and the master's --page-tokens (the ideal line) are one value."""
+    docs = render_chart(*COMBINATIONS["sglang-devices"], "--set", "run.pageTokens=64", chart=CHART, release="bench")
+    sglang = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    master = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].endswith("-master"))
+    args = master["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert sglang[sglang.index("--page-size") + 1] == args[args.index("--page-tokens") + 1] == "64"
+    out = helm("template", "bench", str(CHART), *COMBINATIONS["sglang-devices"], "--set", "sglang.pageSize=64")
+    assert out.returncode != 0 and "pageSize" in out.stderr  # the old second value is gone

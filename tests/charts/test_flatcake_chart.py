@@ -117,3 +117,23 @@ def test_notes_tell_what_to_apply_next() -> None:
     notes = out.stdout.split("NOTES:", 1)[1]
     assert "kind: FlatCakeCache" in notes and "kubectl label node" in notes
     assert '"hicache_storage_pass_prefix_keys": true' in notes  # SGLang's placement signals on
+
+
+def test_name_overrides_and_operator_pod_options_render() -> None:
+    """Issue 18: nameOverride/fullnameOverride, and the operator pod's priority, annotations, labels and
+    pull secrets, each from values.yaml into the rendered Deployment (which still validates)."""
+    docs = render("--set", "fullnameOverride=kv", "--set", "operator.priorityClassName=system-cluster-critical",
+                  "--set", "operator.podAnnotations.team=infra", "--set", "operator.podLabels.tier=cache",
+                  "--set-json", 'imagePullSecrets=[{"name": "regcred"}]')  # fmt: skip
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    kubernetes_validate.validate(deployment, KUBERNETES, strict=True)
+    assert deployment["metadata"]["name"] == "kv-operator"
+    pod = deployment["spec"]["template"]
+    assert pod["spec"]["priorityClassName"] == "system-cluster-critical"
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["metadata"]["annotations"] == {"team": "infra"} and pod["metadata"]["labels"]["tier"] == "cache"
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"  # the selector's labels stay
+    named = render("--set", "nameOverride=cake")
+    assert next(d for d in named if d["kind"] == "Deployment")["metadata"]["name"] == "fc-cake-operator"
+    defaults = next(d for d in render() if d["kind"] == "Deployment")["spec"]["template"]
+    assert "priorityClassName" not in defaults["spec"] and "annotations" not in defaults["metadata"]
