@@ -97,7 +97,7 @@ class Journal:
         # one (and at least ``compact_min_bytes``): its size stays proportional to the live records.
         self.compact_min_bytes = compact_min_bytes
         self.compact_ratio = compact_ratio
-        self._compact_at = max(compact_min_bytes, int(self._size * compact_ratio))
+        self._compact_at = self._next_compaction()
         self.compactions = 0
         self.compact_errors = 0
         self.due_event = threading.Event()  # set by an append that makes compaction due
@@ -188,6 +188,9 @@ class Journal:
         """Whether the journal has outgrown its last compacted size by the configured ratio."""
         return self._size >= self._compact_at
 
+    def _next_compaction(self) -> int:
+        return max(self.compact_min_bytes, int(self._size * self.compact_ratio))
+
     def compact(self, records: list[dict[str, Any]], mark: tuple[int, int]) -> None:
         """Online compaction: replace the journal by ``records`` (the live state as of ``mark``) followed by
         every record appended since ``mark``, while appends go on. Appends wait only while that tail is
@@ -201,7 +204,7 @@ class Journal:
             with contextlib.suppress(OSError):
                 self.path.with_suffix(".tmp").unlink(missing_ok=True)
             with self._lock:  # do not retry at once: wait for as much growth again
-                self._compact_at = max(self.compact_min_bytes, int(self._size * self.compact_ratio))
+                self._compact_at = self._next_compaction()
             raise
         try:  # the rename is done; until the directory is synced only a power loss could undo it
             fsync_dir(self.path.parent)
@@ -229,7 +232,7 @@ class Journal:
                 self._size = os.fstat(fd).st_size
                 self.records = len(records) + (0 if mark is None else self.records - mark[1])
                 self._dirty = False
-                self._compact_at = max(self.compact_min_bytes, int(self._size * self.compact_ratio))
+                self._compact_at = self._next_compaction()
                 self.compactions += 1
         except BaseException:
             if self._fd != fd:

@@ -96,7 +96,7 @@ class Agent:
         self._writers: set[asyncio.StreamWriter] = set()
         self.http_server: http.Server | None = None
         self.metrics_port = c.agent.metrics_port
-        self._scan_stop = threading.Event()
+        self._stopping = threading.Event()  # set by close: ends the recovery scan and the journal compactor
         self._scanner: threading.Thread | None = None
         self._compactor: threading.Thread | None = None
 
@@ -437,7 +437,7 @@ class Agent:
         fds: dict[int, int] = {}
         paths = [Path(c.ssd.dir) / name for name in self.pool.files]
         try:
-            scan(self.catalog, page_crc_reader(c, self.dram.view, paths, fds), self.recovered, self._scan_stop,
+            scan(self.catalog, page_crc_reader(c, self.dram.view, paths, fds), self.recovered, self._stopping,
                  workers=max(4, c.io.workers), page_bytes=c.layers * c.page_bytes)  # fmt: skip
         except Exception:  # a bug or an unreadable pool: readers keep checking what they read
             log.exception("recovery scan failed; unscanned scopes stay checked on every read")
@@ -449,7 +449,7 @@ class Agent:
         ``journal_compact_ratio`` of the live records' (plus ``journal_compact_bytes``)."""
         while True:
             journal.due_event.wait()
-            if self._scan_stop.is_set():
+            if self._stopping.is_set():
                 return
             journal.due_event.clear()
             try:
@@ -459,7 +459,7 @@ class Agent:
                 log.error("journal %s: online compaction failed, keeping the journal as it is: %s", journal.path, exc)
 
     def close(self) -> None:
-        self._scan_stop.set()
+        self._stopping.set()
         if self._scanner is not None:
             self._scanner.join(30)
         if self._compactor is not None and self.journal is not None:
