@@ -196,17 +196,55 @@ def _simulate(args: argparse.Namespace) -> int:
     from flatcake.loadgen.simulate import report as sr
     from flatcake.loadgen.simulate import run as sim
 
+    if args.validate:
+        return _simulate_validate(args)
+    if args.sweep and args.qps is not None and len(args.qps) != 1:
+        raise ConfigError(f"--qps: --sweep runs one rate, {len(args.qps)} given")
+
     sizes = {"dram_bytes": ("--dram", args.dram), "ssd_bytes": ("--ssd", args.ssd), "hbm_bytes": ("--hbm", args.hbm)}
     given: dict[str, object] = {k: sim.parse_size(text, flag) for k, (flag, text) in sizes.items() if text is not None}
     names = ("trace", "limit", "nodes", "gpus_per_node", "model", "gpu", "qps", "systems", "device", "scheduler",
              "prefetch_policy", "workers")  # fmt: skip
     given.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
     cfg = dataclasses.replace(sim.SimConfig(), **given)  # type: ignore[arg-type]
+    if args.sweep:
+        return _simulate_sweep(args, cfg)
     report = sim.sweep(cfg, log=lambda m: print(m, file=sys.stderr), quiet=args.quiet)
     print(sr.format_table(report))
     if args.out:
         report["plots"] = sr.plot(report, Path(args.out))
     _write_json(args.json or (str(Path(args.out) / "simulate.json") if args.out else None), report)
+    return 0
+
+
+def _simulate_sweep(args: argparse.Namespace, cfg: object) -> int:
+    from flatcake.loadgen.simulate import run as sim
+    from flatcake.loadgen.simulate import sweeps
+
+    assert isinstance(cfg, sim.SimConfig)
+    if args.qps is None:
+        cfg = dataclasses.replace(cfg, qps=(1.0,))
+    out = Path(args.out or "results/simulate")
+    report = sweeps.run(args.sweep, cfg, out, systems=args.systems, quiet=args.quiet,
+                        log=lambda m: print(m, file=sys.stderr))  # fmt: skip
+    print(sweeps.format_table(report))
+    report["plot"] = sweeps.plot(report, out / f"sweep-{args.sweep}.png")
+    _write_json(args.json or str(out / f"sweep-{args.sweep}.json"), report)
+    return 0
+
+
+def _simulate_validate(args: argparse.Namespace) -> int:
+    from flatcake.loadgen.simulate import validate as V
+
+    if args.qps is not None and len(args.qps) != 1:
+        raise ConfigError(f"--qps: --validate runs one rate, {len(args.qps)} given")
+    names = {"trace": args.trace, "requests": args.limit, "model": args.model, "gpu": args.gpu,
+             "systems": args.systems, "qps": args.qps[0] if args.qps else None}  # fmt: skip
+    cfg = dataclasses.replace(V.ValidateConfig(), **{k: v for k, v in names.items() if v is not None})
+    out = Path(args.out or "results/simvalidate")
+    report = V.run(cfg, out, log=lambda m: print(m, file=sys.stderr))
+    print(V.format_table(report))
+    _write_json(args.json or str(out / "validate.json"), report)
     return 0
 
 
@@ -418,6 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
     simp.add_argument("--json", metavar="PATH", help="write the results as JSON (default: OUT/simulate.json)")
     simp.add_argument("--out", help="where plots and JSON go")
     simp.add_argument("--quiet", action="store_true", help="no progress bar")
+    simp.add_argument("--sweep", choices=["dram-ssd", "placement", "gap", "staging", "long-sessions"],
+                      help="vary one knob (at one --qps, default 1.0): JSON and a plot in --out")  # fmt: skip
+    simp.add_argument("--validate", action="store_true",
+                      help="run one small case through the emulator and the simulator and compare them "
+                           "(--limit 100, --qps 2, --gpu a100, --systems flatcake unless given)")  # fmt: skip
     simp.set_defaults(func=_simulate)
 
     lg = sub.add_parser("loadgen", help="load generation").add_subparsers(dest="loadgen_cmd", required=True)
