@@ -123,7 +123,8 @@ def _trace_synth(args: argparse.Namespace) -> int:
     from flatcake.loadgen.traces.formats import write_trace
     from flatcake.loadgen.traces.synth import SynthConfig, synthesize
 
-    n = write_trace(args.out, synthesize(SynthConfig(args.profile, args.requests, args.seed, args.qps, args.scale)))
+    cfg = SynthConfig(args.profile, args.requests, args.seed, args.qps, args.scale, args.users)
+    n = write_trace(args.out, synthesize(cfg))
     print(f"wrote {n} requests to {args.out}", file=sys.stderr)
     return 0
 
@@ -434,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--qps", type=float, default=1.0, help="mean arrival rate of the synthetic timestamps")
     synth.add_argument("--scale", type=float, default=1.0, help="multiply context and turn lengths")
+    synth.add_argument("--users", type=int, default=1,
+                       help="users merged by time (seeds SEED..SEED+N-1; --requests, --qps per user)")  # fmt: skip
     synth.add_argument("--out", required=True, help="output JSONL (FlatCake generic format)")
     synth.set_defaults(func=_trace_synth)
 
