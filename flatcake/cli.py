@@ -123,7 +123,8 @@ def _trace_synth(args: argparse.Namespace) -> int:
     from flatcake.loadgen.traces.formats import write_trace
     from flatcake.loadgen.traces.synth import SynthConfig, synthesize
 
-    n = write_trace(args.out, synthesize(SynthConfig(args.profile, args.requests, args.seed, args.qps, args.scale)))
+    cfg = SynthConfig(args.profile, args.requests, args.seed, args.qps, args.scale, args.users)
+    n = write_trace(args.out, synthesize(cfg))
     print(f"wrote {n} requests to {args.out}", file=sys.stderr)
     return 0
 
@@ -196,17 +197,55 @@ def _simulate(args: argparse.Namespace) -> int:
     from flatcake.loadgen.simulate import report as sr
     from flatcake.loadgen.simulate import run as sim
 
+    if args.validate:
+        return _simulate_validate(args)
+    if args.sweep and args.qps is not None and len(args.qps) != 1:
+        raise ConfigError(f"--qps: --sweep runs one rate, {len(args.qps)} given")
+
     sizes = {"dram_bytes": ("--dram", args.dram), "ssd_bytes": ("--ssd", args.ssd), "hbm_bytes": ("--hbm", args.hbm)}
     given: dict[str, object] = {k: sim.parse_size(text, flag) for k, (flag, text) in sizes.items() if text is not None}
     names = ("trace", "limit", "nodes", "gpus_per_node", "model", "gpu", "qps", "systems", "device", "scheduler",
              "prefetch_policy", "workers")  # fmt: skip
     given.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
     cfg = dataclasses.replace(sim.SimConfig(), **given)  # type: ignore[arg-type]
+    if args.sweep:
+        return _simulate_sweep(args, cfg)
     report = sim.sweep(cfg, log=lambda m: print(m, file=sys.stderr), quiet=args.quiet)
     print(sr.format_table(report))
     if args.out:
         report["plots"] = sr.plot(report, Path(args.out))
     _write_json(args.json or (str(Path(args.out) / "simulate.json") if args.out else None), report)
+    return 0
+
+
+def _simulate_sweep(args: argparse.Namespace, cfg: object) -> int:
+    from flatcake.loadgen.simulate import run as sim
+    from flatcake.loadgen.simulate import sweeps
+
+    assert isinstance(cfg, sim.SimConfig)
+    if args.qps is None:
+        cfg = dataclasses.replace(cfg, qps=(1.0,))
+    out = Path(args.out or "results/simulate")
+    report = sweeps.run(args.sweep, cfg, out, systems=args.systems, quiet=args.quiet,
+                        log=lambda m: print(m, file=sys.stderr))  # fmt: skip
+    print(sweeps.format_table(report))
+    report["plot"] = sweeps.plot(report, out / f"sweep-{args.sweep}.png")
+    _write_json(args.json or str(out / f"sweep-{args.sweep}.json"), report)
+    return 0
+
+
+def _simulate_validate(args: argparse.Namespace) -> int:
+    from flatcake.loadgen.simulate import validate as V
+
+    if args.qps is not None and len(args.qps) != 1:
+        raise ConfigError(f"--qps: --validate runs one rate, {len(args.qps)} given")
+    names = {"trace": args.trace, "requests": args.limit, "model": args.model, "gpu": args.gpu,
+             "systems": args.systems, "qps": args.qps[0] if args.qps else None}  # fmt: skip
+    cfg = dataclasses.replace(V.ValidateConfig(), **{k: v for k, v in names.items() if v is not None})
+    out = Path(args.out or "results/simvalidate")
+    report = V.run(cfg, out, log=lambda m: print(m, file=sys.stderr))
+    print(V.format_table(report))
+    _write_json(args.json or str(out / "validate.json"), report)
     return 0
 
 
@@ -396,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--qps", type=float, default=1.0, help="mean arrival rate of the synthetic timestamps")
     synth.add_argument("--scale", type=float, default=1.0, help="multiply context and turn lengths")
+    synth.add_argument("--users", type=int, default=1,
+                       help="users merged by time (seeds SEED..SEED+N-1; --requests, --qps per user)")  # fmt: skip
     synth.add_argument("--out", required=True, help="output JSONL (FlatCake generic format)")
     synth.set_defaults(func=_trace_synth)
 
@@ -418,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
     simp.add_argument("--json", metavar="PATH", help="write the results as JSON (default: OUT/simulate.json)")
     simp.add_argument("--out", help="where plots and JSON go")
     simp.add_argument("--quiet", action="store_true", help="no progress bar")
+    simp.add_argument("--sweep", choices=["dram-ssd", "placement", "gap", "staging", "long-sessions"],
+                      help="vary one knob (at one --qps, default 1.0): JSON and a plot in --out")  # fmt: skip
+    simp.add_argument("--validate", action="store_true",
+                      help="run one small case through the emulator and the simulator and compare them "
+                           "(--limit 100, --qps 2, --gpu a100, --systems flatcake unless given)")  # fmt: skip
     simp.set_defaults(func=_simulate)
 
     lg = sub.add_parser("loadgen", help="load generation").add_subparsers(dest="loadgen_cmd", required=True)

@@ -160,6 +160,21 @@ _SPECS = [
         "Declined SSD prefetches tried again at a later scheduling pass (tiered, as SGLang).",
     ),
     Spec("flatcake_prefetch_seconds", "histogram", ("system",), "seconds", "SSD prefetch time per request."),
+    Spec(
+        "flatcake_ssd_restore_bytes",
+        "counter",
+        ("system",),
+        "bytes",
+        "Bytes of SSD pages restored (prefetched, or read at dispatch).",
+    ),
+    Spec(
+        "flatcake_ssd_restore_busy_seconds",
+        "counter",
+        ("system",),
+        "seconds",
+        "Seconds with at least one SSD restore in flight: restored bytes over this is the storage's rate as the "
+        "run saw it.",
+    ),
     Spec("flatcake_queue_depth", "gauge", ("system", "queue"), "", "Requests waiting, by queue."),
     Spec(
         "flatcake_queue_wait_seconds",

@@ -322,7 +322,8 @@ class Emulator:
             ("flatcake_requests", M.counter), ("flatcake_prompt_tokens", M.counter),
             ("flatcake_hit_tokens", M.counter), ("flatcake_miss_tokens", M.counter),
             ("flatcake_prefetch_declined", M.counter), ("flatcake_prefetch_retries", M.counter),
-            ("flatcake_prefetch_seconds", M.histogram),
+            ("flatcake_prefetch_seconds", M.histogram), ("flatcake_ssd_restore_bytes", M.counter),
+            ("flatcake_ssd_restore_busy_seconds", M.counter),
             ("flatcake_queue_depth", M.gauge), ("flatcake_queue_wait_seconds", M.histogram),
             ("flatcake_staging_tokens", M.gauge), ("flatcake_server_ttft_seconds", M.histogram),
             ("flatcake_staging_bytes", M.gauge), ("flatcake_placed_pages", M.counter),
@@ -336,6 +337,8 @@ class Emulator:
             "flatcake_prefetch_declined",
             "flatcake_prefetch_retries",
             "flatcake_prefetch_seconds",
+            "flatcake_ssd_restore_bytes",
+            "flatcake_ssd_restore_busy_seconds",
             "flatcake_staging_tokens",
             "flatcake_staging_bytes",
             "flatcake_server_ttft_seconds",
@@ -343,6 +346,7 @@ class Emulator:
         for name in per_system:
             m[name].labels(cfg.mode)
         self._token_bytes = cfg.layers * cfg.bytes_per_token_layer
+        self._ssd_inflight, self._ssd_busy_since = 0, 0.0
         engine = self.storage.engine
         if engine is not None:  # FlatCake: what its bounded restore windows hold, read at scrape time
             gauge = m["flatcake_staging_bytes"]
@@ -461,11 +465,29 @@ class Emulator:
         self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
         self.m["flatcake_staging_bytes"].labels(self.cfg.mode).set(self.staging_tokens * self._token_bytes)
 
+    async def _restore(self, pool: ThreadPoolExecutor, keys: list[str], ssd_pages: int, promote: bool = False) -> int:
+        """``storage.restore`` on ``pool``; restores that read SSD pages count their bytes and the time with
+        any of them in flight (the storage's rate as this run sees it: ``simulate --validate`` uses it)."""
+        loop = asyncio.get_running_loop()
+        if not ssd_pages:
+            return await loop.run_in_executor(pool, self.storage.restore, keys, promote)
+        if not self._ssd_inflight:
+            self._ssd_busy_since = time.monotonic()
+        self._ssd_inflight += 1
+        try:
+            got = await loop.run_in_executor(pool, self.storage.restore, keys, promote)
+        finally:
+            self._ssd_inflight -= 1
+            if not self._ssd_inflight:
+                busy = time.monotonic() - self._ssd_busy_since
+                self.m["flatcake_ssd_restore_busy_seconds"].labels(self.cfg.mode).inc(busy)
+        self.m["flatcake_ssd_restore_bytes"].labels(self.cfg.mode).inc(min(got, ssd_pages) * self.cfg.page_span)
+        return got
+
     # ---- FlatCake: FC-MAS (or FCFS) queues, prefetches that wait for window space ---------------
     async def _prefetch_loop(self) -> None:
         """SSD prefetches, in the scheduler's order (HRRN by volume for FlatCake, arrival for FCFS)."""
         assert self._cond is not None
-        loop = asyncio.get_running_loop()
         while True:
             async with self._cond:
                 req = None
@@ -476,7 +498,7 @@ class Emulator:
             job = self._jobs[req.id]
             started = time.monotonic()
             # FlatCake streams into HBM through its bounded window, which waits when full and never declines.
-            got = await loop.run_in_executor(self._pool, self.storage.restore, job.ssd_keys)
+            got = await self._restore(self._pool, job.ssd_keys, len(job.ssd_keys))
             self._prefetched(job, job.ssd_keys[:got])
             self.m["flatcake_prefetch_seconds"].labels(self.cfg.mode).observe(time.monotonic() - started)
             async with self._cond:
@@ -532,7 +554,6 @@ class Emulator:
         batches once the scheduler has terminated it. Arrived pages are held in HBM for the request
         (SGLang holds them in its host pool until the request loads them) and join the host tier."""
         assert self._cond is not None and self._io_queue is not None
-        loop = asyncio.get_running_loop()
         while True:
             job = await self._io_queue.get()
             op = job.op
@@ -542,7 +563,7 @@ class Emulator:
                 if op.terminated:
                     break
                 batch = job.ssd_keys[lo : lo + hicache.STORAGE_BATCH_PAGES]
-                got = await loop.run_in_executor(self._prefetch_io, self.storage.restore, batch, True)
+                got = await self._restore(self._prefetch_io, batch, len(batch), promote=True)
                 async with self._cond:
                     if not op.terminated:  # a stopped prefetch's late pages are not the request's
                         self._prefetched(job, batch[:got])
@@ -625,7 +646,7 @@ class Emulator:
                 else:
                     out.unprefetched_pages += len(late) - late.index("ssd")
                 late = late[: late.index("ssd")]
-            got = await loop.run_in_executor(self._pool, self.storage.restore, keys[cached : cached + len(late)])
+            got = await self._restore(self._pool, keys[cached : cached + len(late)], late.count("ssd"))
             for medium in late[:got]:
                 hits[medium] += 1
             out.failed_pages += len(late) - got

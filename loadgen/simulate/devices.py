@@ -56,7 +56,10 @@ PROFILES = {
 DEFAULT_PROFILE = "nvme-raid0-4x-pm9a3"
 
 
-def profile(name: str) -> DeviceProfile:
+def profile(name: str | DeviceProfile) -> DeviceProfile:
+    """A named profile, or one given whole (measured rates: ``simulate --validate``)."""
+    if isinstance(name, DeviceProfile):
+        return name
     if name not in PROFILES:
         raise ConfigError(f"--device: {name!r} is not a profile; choose one of {', '.join(PROFILES)}")
     return PROFILES[name]

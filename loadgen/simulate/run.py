@@ -55,7 +55,11 @@ class SimConfig:
     gpu: str = "h200"
     qps: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
     systems: tuple[str, ...] = SYSTEMS
-    device: str = devices.DEFAULT_PROFILE
+    device: str | devices.DeviceProfile = devices.DEFAULT_PROFILE
+    # Ranks that share the node's devices; None: every rank of an instance (a node's GPUs read at once).
+    # 1: each rank has the whole device, as the emulator's one process has this machine's disk.
+    device_ranks: int | None = None
+    scope_file_bytes: int = 256 * MiB  # per rank: SsdConfig's default file size
     scheduler: str = "mas"
     prefetch_policy: str = hicache.DEFAULT_PREFETCH_POLICY
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -78,6 +82,8 @@ class SimConfig:
             raise ConfigError(f"--scheduler: {self.scheduler!r} must be one of {', '.join(SCHEDULER_POLICIES)}")
         if self.prefetch_policy not in hicache.PREFETCH_POLICIES:
             raise ConfigError(f"--prefetch-policy: must be one of {', '.join(hicache.PREFETCH_POLICIES)}")
+        if self.device_ranks is not None and self.device_ranks < 1:
+            raise ConfigError(f"device_ranks: {self.device_ranks} must be >= 1 (or None: an instance's ranks)")
         devices.profile(self.device)
         gpu_profile(self.gpu)
         cluster(self)
@@ -96,8 +102,9 @@ def cluster(cfg: SimConfig) -> Cluster:
         raise ConfigError(f"--hbm: {hbm} bytes hold less than one page ({span} bytes per rank)")
     if cfg.dram_bytes // width < span:
         raise ConfigError(f"--dram: {cfg.dram_bytes} bytes hold less than one page over {width} ranks")
-    if cfg.ssd_bytes // width < 256 * MiB:
-        raise ConfigError(f"--ssd: {cfg.ssd_bytes} bytes are less than one 256 MiB scope file per rank")
+    if cfg.ssd_bytes // width < cfg.scope_file_bytes:
+        need = cfg.scope_file_bytes
+        raise ConfigError(f"--ssd: {cfg.ssd_bytes} bytes hold less than one {need}-byte scope file per rank")
     gpu = cfg.gpu
 
     def prefill(new: int, cached: int) -> float:
@@ -109,7 +116,8 @@ def cluster(cfg: SimConfig) -> Cluster:
         dram_bytes=cfg.dram_bytes // width, ssd_bytes=cfg.ssd_bytes // width, device=devices.profile(cfg.device),
         prefill_s=prefill, decode_s_per_token=p.decode_s_per_token(gpu), placement=cfg.placement,
         scheduler=cfg.scheduler, gap_bytes=cfg.gap_bytes, staging_slot_bytes=cfg.staging_slot_bytes,
-        streams=cfg.streams, prefetch_policy=cfg.prefetch_policy,
+        streams=cfg.streams, prefetch_policy=cfg.prefetch_policy, scope_file_bytes=cfg.scope_file_bytes,
+        device_ranks=cfg.device_ranks or width,
     )  # fmt: skip
 
 
@@ -194,44 +202,60 @@ def summarize(
         "occupancy": {"t_s": [s[0] for s in samples], "dram_bytes": [s[1] for s in samples],
                       "ssd_bytes": [s[2] for s in samples]},
         "counters": sim.counters(),
+        "dram_placed_share": _dram_share(sim.counters().get("placements_pages")),
         "sim_wall_s": round(wall_s, 3),
         "events": events,
     }  # fmt: skip
     return out
 
 
+def _dram_share(placements: dict[str, int] | None) -> float | None:
+    """FlatCake: the share of placed pages that went to DRAM (None for systems without placement)."""
+    if not placements:
+        return None
+    total = sum(placements.values())
+    return sum(v for k, v in placements.items() if k.startswith("dram/")) / total if total else None
+
+
 def _point(cfg: SimConfig, system: str, qps: float) -> dict[str, Any]:
     return simulate(cfg, system, qps)[0]
 
 
-def sweep(cfg: SimConfig, log: Callable[[str], None] | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Every system at every rate; points run in ``workers`` processes (each its own simulation)."""
-    cfg.check()
-    points = [(s, q) for q in cfg.qps for s in cfg.systems]
-    results: list[dict[str, Any]] = []
+Point = tuple[SimConfig, str, float]  # a configuration, a system, a rate
+
+
+def run_points(points: Sequence[Point], workers: int, quiet: bool = False) -> list[dict[str, Any]]:
+    """Simulate every point, in ``workers`` processes (each point its own simulation); results in order."""
     from tqdm import tqdm
 
-    t0 = time.perf_counter()
-    if cfg.workers == 1 or len(points) == 1:
-        n = len(workload.load(cfg.trace, cfg.limit))
-        for s, q in points:
+    if workers == 1 or len(points) == 1:
+        results = []
+        for cfg, s, q in points:
+            n = len(workload.load(cfg.trace, cfg.limit))
             with tqdm(total=n, desc=f"{s} @ {q} qps", disable=quiet, unit="req", mininterval=1.0) as bar:
 
                 def tick(n: int, bar: Any = bar) -> None:
                     bar.update(n)
 
                 results.append(simulate(cfg, s, q, progress=tick)[0])
-    else:
-        workers = min(cfg.workers, len(points), os.cpu_count() or 1)
-        with ProcessPoolExecutor(workers) as pool, tqdm(total=len(points), desc="points", disable=quiet) as bar:
-            futures = {pool.submit(_point, cfg, s, q): (s, q) for s, q in points}
-            for fut in as_completed(futures):
-                results.append(fut.result())
-                bar.update(1)
-    order = {p: i for i, p in enumerate(points)}
-    results.sort(key=lambda r: order[(r["system"], r["qps"])])
+        return results
+    out: dict[int, dict[str, Any]] = {}
+    with ProcessPoolExecutor(min(workers, len(points), os.cpu_count() or 1)) as pool, \
+            tqdm(total=len(points), desc="points", disable=quiet) as bar:  # fmt: skip
+        futures = {pool.submit(_point, *p): i for i, p in enumerate(points)}
+        for fut in as_completed(futures):
+            out[futures[fut]] = fut.result()
+            bar.update(1)
+    return [out[i] for i in range(len(points))]
+
+
+def sweep(cfg: SimConfig, log: Callable[[str], None] | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Every system at every rate; points run in ``workers`` processes (each its own simulation)."""
+    cfg.check()
+    t0 = time.perf_counter()
+    results = run_points([(cfg, s, q) for q in cfg.qps for s in cfg.systems], cfg.workers, quiet)
     if log is not None:
-        log(f"simulated {len(points)} point(s) in {time.perf_counter() - t0:.1f} s")
+        log(f"simulated {len(results)} point(s) in {time.perf_counter() - t0:.1f} s")
     return {
         "config": {**asdict(replace(cfg)), "cluster": _cluster_json(cfg)},
         "device_profile": asdict(devices.profile(cfg.device)),

@@ -64,6 +64,7 @@ class Cluster:
     streams: int = 4  # FlatCake's concurrent restores per instance (IOConfig default)
     prefetch_policy: str = hicache.DEFAULT_PREFETCH_POLICY
     bucket_bytes: int = 64 << 20  # tiered L3 log bucket (bench restore's)
+    device_ranks: int = 1  # ranks sharing a node's devices (run.cluster: an instance's width by default)
 
     @property
     def page_span(self) -> int:
@@ -93,8 +94,8 @@ class Job:
     req: SimRequest
     rec: Record
     inst: Instance
-    hbm_pages: int  # leading pages in HBM at arrival (pinned until prefill)
-    lease: Any = None  # FlatCake: pinned scopes of the stored prefix
+    hbm_pages: int  # leading pages in HBM at arrival (not pinned: they may be evicted before dispatch)
+    leases: list[Any] = field(default_factory=list)  # FlatCake: pinned scopes, released once stored
     ssd_keys: list[int] = field(default_factory=list)
     ssd_locs: list[Location] = field(default_factory=list)
     prefetched: set[int] = field(default_factory=set)
@@ -130,7 +131,7 @@ class System:
 
     def __init__(self, c: Cluster, loop: EventLoop) -> None:
         self.c, self.loop = c, loop
-        ranks = c.width
+        ranks = c.device_ranks
         # A node's devices serve all its ranks at once: one rank's view gets a rank's share.
         self.ssd = [
             Device(c.device.read_bytes_per_s / ranks, c.device.command_s, max(1, c.device.queue_depth // ranks),
@@ -153,20 +154,25 @@ class System:
         raise NotImplementedError
 
     def _admit(self, req: SimRequest) -> Job:
-        """Route the request and pin the prefix it finds in its instance's HBM, for every system."""
+        """Route the request and note the prefix it finds in its instance's HBM, for every system. It is
+        not pinned: SGLang locks a request's radix-tree match only when it schedules the request
+        (``PrefillAdder._lock_node`` in ``managers/schedule_policy.py``), so a waiting request's prefix
+        can be evicted, and is looked up again at dispatch (as the emulator does)."""
         inst = self.instance(req)
         rec = Record(req.index, self.loop.now, req.input_tokens, req.output_tokens, len(req.keys))
         h = inst.hbm.prefix(req.keys)
         inst.hbm.touch(req.keys[:h])
-        inst.hbm.pin(req.keys[:h], +1)
         return Job(req, rec, inst, h)
 
-    def _finish_prefill(self, job: Job, cached: int, dram_pages: int) -> None:
-        """Start the prefill of the uncached tokens now; the GPU is busy until the first token."""
+    def _finish_prefill(self, job: Job, cached: int, dram_pages: int, ready: float | None = None) -> None:
+        """Start the prefill of the uncached tokens once the cached ones are in HBM (DRAM pages copied
+        in; ``ready``: when an inline SSD read lands); the GPU is busy from now until the first token."""
         c, now, rec = self.c, self.loop.now, job.rec
         rec.start = now
         cached_tokens = min(cached * c.page_tokens, job.req.input_tokens)
-        ready = job.inst.h2d.submit(now, dram_pages * c.page_span, 1) if dram_pages else now
+        ready = max(now, ready or now)
+        if dram_pages:
+            ready = max(ready, job.inst.h2d.submit(now, dram_pages * c.page_span, 1))
         end = ready + (c.prefill_s(job.req.input_tokens - cached_tokens, cached_tokens))
         job.inst.busy = True
         self.loop.at(end, self._prefill_done, job, cached)
@@ -177,7 +183,6 @@ class System:
         rec.done = now + rec.output_tokens * self.c.decode_s_per_token
         inst.busy = False
         keys = job.req.keys
-        inst.hbm.pin(keys[: job.hbm_pages], -1)
         inst.hbm.pin(job.prefetched, -1)
         inst.hbm.insert(list(keys))  # the whole prompt is in HBM after its prefill
         self.store(job, cached)
@@ -226,8 +231,9 @@ class FlatCake(System):
         rest = keys[h:]
         n = catalog.exists(rest)
         if n:
-            job.lease = catalog.acquire(rest[:n])
-            for key, loc in zip(rest[:n], job.lease.locations, strict=True):
+            lease = catalog.acquire(rest[:n])
+            job.leases.append(lease)
+            for key, loc in zip(rest[:n], lease.locations, strict=True):
                 if loc.gva >= SSD_THRESHOLD:
                     job.ssd_keys.append(key)
                     job.ssd_locs.append(loc)
@@ -244,19 +250,24 @@ class FlatCake(System):
             if r is None:
                 return
             job = inst.jobs[r.id]
-            gva = np.fromiter((loc.gva & OFFSET_MASK for loc in job.ssd_locs), np.int64, len(job.ssd_locs))
-            stride = np.fromiter((loc.layer_stride for loc in job.ssd_locs), np.int64, len(job.ssd_locs))
-            fb = c.scope_file_bytes
-            fills = plan_restore(gva // fb, gva % fb, stride, c.layers, c.page_layer_bytes, c.gap_bytes,
-                                 c.staging_slot_bytes)  # fmt: skip
-            commands = sum(f.hi - f.lo for f in fills)
-            nbytes = sum(f.nbytes for f in fills)
-            self.read_commands += commands
-            self.read_bytes += nbytes
-            self.ssd_pages_read += len(job.ssd_keys)
-            done = self.ssd[inst.node].submit(now, nbytes, commands)
+            done = self._read(inst, job.ssd_locs)
             inst.active_prefetches += 1
             self.loop.at(done, self._prefetched, inst, r.id)
+
+    def _read(self, inst: Instance, locs: list[Location]) -> float:
+        """Read SSD pages as the engine's restore plans them (the real ``plan_restore``); returns when done."""
+        c = self.c
+        gva = np.fromiter((loc.gva & OFFSET_MASK for loc in locs), np.int64, len(locs))
+        stride = np.fromiter((loc.layer_stride for loc in locs), np.int64, len(locs))
+        fb = c.scope_file_bytes
+        fills = plan_restore(gva // fb, gva % fb, stride, c.layers, c.page_layer_bytes, c.gap_bytes,
+                             c.staging_slot_bytes)  # fmt: skip
+        commands = sum(f.hi - f.lo for f in fills)
+        nbytes = sum(f.nbytes for f in fills)
+        self.read_commands += commands
+        self.read_bytes += nbytes
+        self.ssd_pages_read += len(locs)
+        return self.ssd[inst.node].submit(self.loop.now, nbytes, commands)
 
     def _prefetched(self, inst: Instance, rid: str) -> None:
         job = inst.jobs[rid]
@@ -277,29 +288,39 @@ class FlatCake(System):
             return
         job = inst.jobs.pop(r.id)
         keys, hbm, rec = job.req.keys, inst.hbm, job.rec
-        cached = hbm.prefix(keys)
-        for key in keys[:cached]:
-            rec.hit["ssd" if key in job.prefetched else "hbm"] += 1
-        dram = 0
-        if job.lease is not None and cached >= job.hbm_pages:
-            # The rest of the leased prefix: DRAM pages copy in at dispatch, prefetched SSD pages are in HBM.
-            for key, loc in zip(keys[cached:], job.lease.locations[cached - job.hbm_pages :], strict=False):
-                if key in hbm:
-                    rec.hit["ssd" if key in job.prefetched else "hbm"] += 1
-                elif loc.gva < SSD_THRESHOLD:
+        catalog = self.catalogs[inst.node]
+        # As the engine restores at dispatch (the emulator's _run_prefill): the prefix in HBM (resident or
+        # prefetched), then whatever is stored beyond it (DRAM pages copied in, SSD pages read now while
+        # the GPU waits: evicted since arrival, or stored meanwhile), then HBM again, and so on.
+        cached = dram = 0
+        late: list[Location] = []
+        while True:
+            while cached < len(keys) and keys[cached] in hbm:
+                rec.hit["ssd" if keys[cached] in job.prefetched else "hbm"] += 1
+                cached += 1
+            n = catalog.exists(keys[cached:]) if cached < len(keys) else 0
+            if not n:
+                break
+            lease = catalog.acquire(keys[cached : cached + n])
+            job.leases.append(lease)
+            for loc in lease.locations:
+                if loc.gva < SSD_THRESHOLD:
                     dram += 1
                 else:
-                    break
-                cached += 1
+                    late.append(loc)
+            cached += n
         rec.hit["dram"] = dram
+        rec.hit["ssd"] += len(late)
+        ready = self._read(inst, late) if late else None
         self.useful_ssd_bytes += rec.hit["ssd"] * self.c.page_span
-        self._finish_prefill(job, cached, dram)
+        self._finish_prefill(job, cached, dram, ready)
 
     def store(self, job: Job, cached: int) -> None:
         inst, req = job.inst, job.req
         catalog = self.catalogs[inst.node]
-        if job.lease is not None:
-            catalog.release(job.lease.id)
+        for lease in job.leases:
+            catalog.release(lease.id)
+        job.leases.clear()
         keys = list(req.keys)
         if cached >= len(keys):
             return
@@ -479,16 +500,19 @@ class Tiered(System):
             job.staged = 0
         if job.retry or (job.attempts and job.op is None):
             job.declined = len(job.ssd_keys)
-        keys, rec = job.req.keys, job.rec
-        cached = inst.hbm.prefix(keys)
-        for key in keys[:cached]:
-            rec.hit["ssd" if key in job.prefetched else "hbm"] += 1
-        dram = 0
-        l2 = inst.l2
-        while cached < len(keys) and keys[cached] in l2:
-            l2.move_to_end(keys[cached])
-            dram += 1
-            cached += 1
+        keys, rec, hbm, l2 = job.req.keys, job.rec, inst.hbm, inst.l2
+        cached = dram = 0
+        while True:  # HBM (resident or prefetched), then the host tier, then HBM again, ...
+            start = cached
+            while cached < len(keys) and keys[cached] in hbm:
+                rec.hit["ssd" if keys[cached] in job.prefetched else "hbm"] += 1
+                cached += 1
+            while cached < len(keys) and keys[cached] in l2:
+                l2.move_to_end(keys[cached])
+                dram += 1
+                cached += 1
+            if cached == start:
+                break
         rec.hit["dram"] = dram
         if cached < len(keys) and keys[cached] in self.l3[inst.node]:
             # SGLang reads storage only through a prefetch: what it did not bring is recomputed.

@@ -12,6 +12,7 @@ Profiles (tokens per block 512; ids prefix-chained as in Mooncake's traces):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator
@@ -32,6 +33,9 @@ class SynthConfig:
     seed: int = 0
     qps: float = 1.0  # mean arrival rate of the synthetic clock
     scale: float = 1.0  # multiplies context and turn lengths (0.1: agentic contexts of ~20K tokens)
+    # Independent users merged by time, user k seeded ``seed + k`` with its own ids and sessions ("uK-");
+    # ``requests`` and ``qps`` are each user's.
+    users: int = 1
 
 
 class _Ids:
@@ -46,9 +50,22 @@ def _request(ts: float, context: list[int], tokens: int, output: int, session: s
     return TraceRequest(ts, tokens, output, tuple(context[: math.ceil(tokens / BLOCK)]), session, turn, BLOCK)
 
 
+USER_ID_STRIDE = 1 << 40  # user k's block ids start at k x this: no two users share a block
+
+
 def synthesize(cfg: SynthConfig) -> Iterator[TraceRequest]:
     if cfg.profile not in PROFILES:
         raise ValueError(f"profile: {cfg.profile!r} must be one of {PROFILES}")
+    if cfg.users < 1:
+        raise ValueError(f"users: {cfg.users} must be >= 1")
+    if cfg.users > 1:
+        merged = []
+        for k in range(cfg.users):
+            one = dataclasses.replace(cfg, seed=cfg.seed + k, users=1)
+            merged += [dataclasses.replace(r, hash_ids=tuple(h + k * USER_ID_STRIDE for h in r.hash_ids),
+                                           session=f"u{k}-{r.session}") for r in synthesize(one)]  # fmt: skip
+        yield from sorted(merged, key=lambda r: r.timestamp_ms)
+        return
     rng = np.random.default_rng(cfg.seed)
     ids = _Ids()
     if cfg.scale <= 0:

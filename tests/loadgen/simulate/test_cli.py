@@ -32,3 +32,24 @@ def test_bad_size_is_a_config_error_naming_the_flag(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "flatcake.cli", "simulate", "--ssd", "lots", "--quiet"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=os.environ.copy())
     assert done.returncode == 2 and "--ssd" in done.stderr
+
+
+def test_a_sweep_writes_its_json_and_plot(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "flatcake.cli", "simulate", "--sweep", "gap", "--limit", "40", "--dram", "4GiB",
+           "--ssd", "64GiB", "--hbm", "256MiB", "--qps", "2", "--out", str(out), "--quiet"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "sweep-gap.json").read_text())
+    assert report["sweep"] == "gap" and report["qps"] == 2.0
+    assert [p["gap_bytes"] for p in report["points"]] == [k << 10 for k in (0, 4, 16, 64, 256, 1024)]
+    assert (out / "sweep-gap.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_sweep_flag_offers_every_sweep() -> None:
+    from flatcake.cli import build_parser
+    from flatcake.loadgen.simulate.sweeps import SWEEPS
+
+    simulate = build_parser()._subparsers._group_actions[0].choices["simulate"]  # type: ignore[union-attr]
+    (flag,) = [a for a in simulate._actions if a.dest == "sweep"]
+    assert list(flag.choices or ()) == list(SWEEPS)

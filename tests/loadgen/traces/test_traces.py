@@ -166,3 +166,15 @@ def test_compressed_traces_read_as_they_are(tmp_path: Path, suffix: str) -> None
     with opener(path, "wt") as f:
         f.write(text)
     assert [r.timestamp_ms for r in read_trace(path)] == [0, 5]
+
+
+def test_users_are_independent_seeded_streams_merged_by_time() -> None:
+    one = list(synthesize(SynthConfig("agentic", requests=40, seed=7)))
+    both = list(synthesize(SynthConfig("agentic", requests=40, seed=7, users=2)))
+    assert len(both) == 80 and [r.timestamp_ms for r in both] == sorted(r.timestamp_ms for r in both)
+    first = [r for r in both if r.session and r.session.startswith("u0-")]
+    assert [(r.timestamp_ms, r.hash_ids, r.session) for r in first] == [
+        (r.timestamp_ms, r.hash_ids, f"u0-{r.session}") for r in one
+    ]
+    ids = [{h for r in both if r.session and r.session.startswith(f"u{k}-") for h in r.hash_ids} for k in (0, 1)]
+    assert ids[0] and ids[1] and not ids[0] & ids[1]  # no shared blocks between users
