@@ -543,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, kind in (("hbm-bytes", int), ("dram-bytes", int), ("ssd-bytes", int), ("scope-file-bytes", int),
                        ("prefill-tokens-per-s", float), ("decode-tokens-per-s", float), ("layers", int),
-                       ("bytes-per-token-layer", int)):  # fmt: skip
+                       ("page-tokens", int), ("bytes-per-token-layer", int)):  # fmt: skip
         field = name.replace("-", "_")  # unset: EmulatorConfig's default, shown here
         emulate.add_argument(f"--{name}", type=kind, dest=field, help=f"(default: {EMULATOR_DEFAULTS[field]})")
     emulate.add_argument(
@@ -593,7 +593,8 @@ API_HELP = "openai: /v1/completions, chat: /v1/chat/completions, sglang: /genera
 # command; tests/flatcake/test_cli.py checks they are the dataclass's.
 EMULATOR_DEFAULTS = {
     "hbm_bytes": 16 << 20, "dram_bytes": 64 << 20, "ssd_bytes": 2048 << 20, "scope_file_bytes": 8 << 20,
-    "prefill_tokens_per_s": 100_000.0, "decode_tokens_per_s": 200.0, "layers": 4, "bytes_per_token_layer": 64,
+    "prefill_tokens_per_s": 100_000.0, "decode_tokens_per_s": 200.0, "layers": 4, "page_tokens": 256,
+    "bytes_per_token_layer": 64,
 }  # fmt: skip
 
 

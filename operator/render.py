@@ -14,7 +14,15 @@ from typing import Any
 from flatcake.errors import ConfigError
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.constants import HUGETLBFS_MOUNTS
-from flatcake.operator.spec import GROUP, VERSION, CacheSpec, SpecError, check_cache_name
+from flatcake.operator.spec import (
+    CONFIG_HASH_ANNOTATION,
+    GROUP,
+    VERSION,
+    CacheSpec,
+    SpecError,
+    agent_resources,
+    check_cache_name,
+)
 
 CONFIG_KEY = "engine.json"
 CONFIG_DIR = "/etc/flatcake"
@@ -24,7 +32,6 @@ RUN_ROOT = "/run/flatcake"  # host directory shared with inference pods: socket 
 # so the records go with the reservations at reboot.
 HUGEPAGE_SHARES_DIR = f"{RUN_ROOT}/hugepages"
 DEVICE_MOUNT_ROOT = "/var/lib/flatcake"  # where prepared arrays are mounted, one folder per cache
-AGENT_MEMORY_BYTES = 512 << 20  # the agent's own heap: index, journal buffers, HTTP
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket path (sun_path holds 108 with the terminating NUL)
 
 
@@ -268,17 +275,6 @@ def _shares_volume() -> tuple[dict[str, Any], dict[str, Any]]:
     return volume, {"name": "hugepage-shares", "mountPath": HUGEPAGE_SHARES_DIR}
 
 
-def _agent_resources(spec: CacheSpec) -> dict[str, Any]:
-    memory = AGENT_MEMORY_BYTES
-    resources: dict[str, str] = {}
-    if spec.hugepage_size in HUGETLBFS_MOUNTS and spec.dram_bytes:
-        resources[f"hugepages-{spec.hugepage_size}"] = str(spec.dram_bytes)
-    else:
-        memory += spec.dram_bytes  # the pool is tmpfs, charged to the agent's memory cgroup
-    resources["memory"] = str(memory)
-    return {"requests": {"cpu": "500m", **resources}, "limits": resources}
-
-
 def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[str, Any]:
     """Node agents: a privileged init container prepares the node, the agent itself runs with
     IPC_LOCK (to lock the pinned pool) and no other capability."""
@@ -293,7 +289,15 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
     shares_volume, shares_mount = _shares_volume()
     prepare_mounts += [{"name": "dev", "mountPath": "/dev"}, {"name": "sys", "mountPath": "/sys"}, shares_mount]
     node_env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
-    pod_labels = labels(cache)
+    pod = spec.pod
+    pod_meta = {"labels": {**pod.labels, **labels(cache)},
+                "annotations": {**pod.annotations, CONFIG_HASH_ANNOTATION: config_hash(config)}}  # fmt: skip
+    options: dict[str, Any] = {}
+    if pod.priority_class_name:
+        options["priorityClassName"] = pod.priority_class_name
+    if pod.image_pull_secrets:
+        options["imagePullSecrets"] = [{"name": name} for name in pod.image_pull_secrets]
+    prepare_resources = {"resources": pod.prepare_resources} if pod.prepare_resources else {}
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -302,8 +306,9 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
             "selector": {"matchLabels": {"flatcake.io/cache": cache.name, "app.kubernetes.io/component": "agent"}},
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
             "template": {
-                "metadata": {"labels": pod_labels, "annotations": {"flatcake.io/config-hash": config_hash(config)}},
+                "metadata": pod_meta,
                 "spec": {
+                    **options,
                     "serviceAccountName": n["service_account"],
                     "nodeSelector": spec.node_selector,
                     "tolerations": spec.tolerations,
@@ -317,6 +322,7 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
                             "command": [*command, "prepare", *config_arg],
                             "env": node_env,
                             "securityContext": {"privileged": True},
+                            **prepare_resources,
                             "volumeMounts": prepare_mounts,
                         }
                     ],
@@ -328,7 +334,7 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
                             "command": [*command, "serve", "--metrics-host", "$(POD_IP)", *config_arg],
                             "env": [*node_env, POD_IP_ENV],
                             "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
-                            "resources": _agent_resources(spec),
+                            "resources": agent_resources(spec),
                             "securityContext": {
                                 "privileged": False,
                                 "allowPrivilegeEscalation": False,
@@ -389,7 +395,8 @@ def reclaim_daemon_set(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
     ds["metadata"] = _meta(cache, names(cache)["reclaim"], "reclaim")
     del ds["metadata"]["ownerReferences"]  # it runs while the cache is being deleted
     ds["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] = "reclaim"
-    ds["spec"]["template"]["metadata"] = {"labels": labels(cache, "reclaim")}
+    ds["spec"]["template"]["metadata"] = {"labels": {**spec.pod.labels, **labels(cache, "reclaim")},
+                                          "annotations": dict(spec.pod.annotations)}  # fmt: skip
     return ds
 
 

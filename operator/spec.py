@@ -6,12 +6,16 @@ hand-edited object) is reported by its path rather than with a KeyError."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
+from kubernetes.utils.quantity import parse_quantity as parse_k8s_quantity
+
 from flatcake.errors import ConfigError
-from flatcake.node_agent.constants import HUGEPAGE_BYTES, MAX_NODE_ID
+from flatcake.node_agent.constants import HUGEPAGE_BYTES, HUGETLBFS_MOUNTS, MAX_NODE_ID
 
 GROUP = "flatcake.io"
 VERSION = "v1alpha1"
@@ -26,6 +30,11 @@ _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _DEVICE = re.compile(r"^/dev/[A-Za-z0-9/_.:+-]+$")
+# The pod annotation by which a config change rolls the agents (render.daemon_set).
+CONFIG_HASH_ANNOTATION = "flatcake.io/config-hash"
+RESERVED_ANNOTATIONS = frozenset({CONFIG_HASH_ANNOTATION})
+AGENT_MEMORY_BYTES = 512 << 20  # the agent's own heap: index, journal buffers, HTTP
+AGENT_CPU_REQUEST = "500m"
 
 
 class SpecError(ConfigError):
@@ -52,19 +61,58 @@ def check_cache_name(name: str) -> None:
                         "characters")  # fmt: skip
 
 
+def _check_key(field: str, key: str, kind: str) -> None:
+    prefix, _, name = str(key).rpartition("/")
+    if (prefix and (len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix))) or (
+        len(name) > 63 or not _LABEL_NAME.match(name)
+    ):
+        raise SpecError(field, f"{key!r} is not {kind} key: an optional DNS subdomain prefix and '/', then at "
+                        "most 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric")  # fmt: skip
+
+
 def check_labels(field: str, labels: dict[str, Any]) -> None:
     """Kubernetes label keys and values (they land in a pod's nodeSelector, a list selector, or an
     object's labels, where the API server refuses anything else)."""
     for key, value in labels.items():
-        prefix, _, name = str(key).rpartition("/")
-        if (prefix and (len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix))) or (
-            len(name) > 63 or not _LABEL_NAME.match(name)
-        ):
-            raise SpecError(field, f"{key!r} is not a label key: an optional DNS subdomain prefix and '/', then at "
-                            "most 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric")  # fmt: skip
+        _check_key(field, key, "a label")
         if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.match(value):
             raise SpecError(f"{field}.{key}", f"{value!r} is not a label value: at most 63 letters, digits, '-', "
                             "'_' or '.', starting and ending alphanumeric (or empty)")  # fmt: skip
+
+
+def _check_annotations(field: str, annotations: dict[str, Any]) -> None:
+    for key, value in annotations.items():
+        _check_key(field, key, "an annotation")
+        if key in RESERVED_ANNOTATIONS:
+            raise SpecError(f"{field}.{key}", "is set by the operator (it restarts agents on a config change); "
+                            "remove it")  # fmt: skip
+        if not isinstance(value, str):
+            raise SpecError(f"{field}.{key}", f"{value!r} must be a string; quote it")
+
+
+Resources = dict[str, dict[str, str]]  # {"requests": {"cpu": "500m"}, "limits": {...}}
+
+
+def quantity(field: str, value: Any) -> Decimal:
+    try:
+        parsed: Decimal = parse_k8s_quantity(value)  # type: ignore[no-untyped-call]
+        return parsed
+    except ValueError:
+        raise SpecError(field, f"{value!r} is not a Kubernetes quantity; write it like 500m or 2 (CPU), "
+                        "2Gi or 2G (memory)") from None  # fmt: skip
+
+
+def check_resources(field: str, resources: Resources) -> None:
+    """Every quantity parses (so a typo is named here, not by the API server refusing the DaemonSet)
+    and every request is at most its limit."""
+    for part in ("requests", "limits"):
+        for name, value in resources.get(part, {}).items():
+            quantity(f"{field}.{part}.{name}", value)
+    for name, request in resources.get("requests", {}).items():
+        limit = resources.get("limits", {}).get(name)
+        if limit is not None and quantity("", request) > quantity("", limit):
+            raise SpecError(f"{field}.requests.{name}", f"{request} exceeds its limit {limit}; lower the request "
+                            "or raise the limit")  # fmt: skip
 
 
 def _check_host_path(field: str, path: str) -> None:
@@ -81,6 +129,18 @@ def format_bytes(n: int) -> str:
             value = n / _UNITS[unit]
             return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
     return str(n)
+
+
+@dataclass(frozen=True)
+class PodOptions:
+    """spec.pod: what the operator adds to the agent and reclaim pods it derives from the rest."""
+
+    priority_class_name: str = ""
+    annotations: dict[str, str] = dataclasses.field(default_factory=dict)
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    image_pull_secrets: tuple[str, ...] = ()
+    agent_resources: Resources = dataclasses.field(default_factory=dict)
+    prepare_resources: Resources = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -118,6 +178,7 @@ class CacheSpec:
     restart_kubelet: bool
     reclaim_policy: str
     wipe_policy: str
+    pod: PodOptions = dataclasses.field(default_factory=lambda: PodOptions())
 
     @property
     def pool_bytes(self) -> int:
@@ -162,6 +223,7 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
         _check_host_path("spec.ssd.directory", directory)
     check_labels("spec.nodeSelector", r.get("nodeSelector", dict, {}))
     check_labels("spec.metrics.serviceMonitor.labels", r.get("metrics.serviceMonitor.labels", dict, {}))
+    pod = _pod_options(r)
     parsed = CacheSpec(
         image=r.get("image", str),
         image_pull_policy=r.get("imagePullPolicy", str, "IfNotPresent"),
@@ -196,13 +258,79 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
         restart_kubelet=r.get("prepare.restartKubelet", bool, False),
         reclaim_policy=r.get("reclaimPolicy", str, "Retain"),
         wipe_policy=r.get("wipePolicy", str, "Refuse"),
+        pod=pod,
     )
     # Watermarks, file and staging slot sizes are the engine configuration's own rules: the rendered
     # configuration is checked by EngineConfig (render.check_engine_config), not again here.
     slot = parsed.layers * parsed.page_bytes
     if parsed.dram_bytes and parsed.dram_bytes < slot:
         raise SpecError("spec.dram.size", f"holds no page of all layers ({slot} bytes); raise it or set 0")
+    agent_resources(parsed)  # spec.pod.resources.agent against what the DRAM pool needs
     return parsed
+
+
+def agent_resources(spec: CacheSpec) -> Resources:
+    """The agent container's resources: the DRAM pool's hugepages (or, for a tmpfs pool, its bytes
+    charged to the agent's memory cgroup) plus the agent's own heap, then spec.pod.resources.agent
+    on top. Memory may be raised, never lowered below what the pool needs (the kernel would kill the
+    agent on its first large put)."""
+    floor = AGENT_MEMORY_BYTES
+    derived: dict[str, str] = {}
+    if spec.hugepage_size in HUGETLBFS_MOUNTS and spec.dram_bytes:
+        derived[f"hugepages-{spec.hugepage_size}"] = str(spec.dram_bytes)
+    else:
+        floor += spec.dram_bytes
+    derived["memory"] = str(floor)
+    merged: Resources = {"requests": {"cpu": AGENT_CPU_REQUEST, **derived}, "limits": dict(derived)}
+    user = spec.pod.agent_resources
+    for part in ("requests", "limits"):
+        for name, value in user.get(part, {}).items():
+            field = f"spec.pod.resources.agent.{part}.{name}"
+            if name == "memory" and quantity(field, value) < floor:
+                raise SpecError(field, f"{value} is below the {format_bytes(floor)} the agent needs (its own "
+                                f"{format_bytes(AGENT_MEMORY_BYTES)}, plus a tmpfs DRAM pool of spec.dram.size); "
+                                "raise it or remove it")  # fmt: skip
+            merged[part][name] = value
+    check_resources("spec.pod.resources.agent", merged)
+    return merged
+
+
+def _pod_options(r: _Reader) -> PodOptions:
+    labels = dict(r.get("pod.labels", dict, {}))
+    check_labels("spec.pod.labels", labels)
+    for key in labels:
+        if key in OPERATOR_LABELS or key.startswith("app.kubernetes.io/"):
+            raise SpecError(f"spec.pod.labels.{key}", "is one of the operator's own labels (its selectors find "
+                            "the pods by them); choose another key")  # fmt: skip
+    annotations = dict(r.get("pod.annotations", dict, {}))
+    _check_annotations("spec.pod.annotations", annotations)
+    secrets = r.get("pod.imagePullSecrets", list, [])
+    for i, name in enumerate(secrets):
+        if not isinstance(name, str) or len(name) > 253 or not _DNS1123_SUBDOMAIN.match(name):
+            raise SpecError(f"spec.pod.imagePullSecrets[{i}]", f"{name!r} is not a Secret name (a DNS subdomain)")
+    resources: dict[str, Resources] = {}
+    for container in ("agent", "prepare"):
+        value = r.get(f"pod.resources.{container}", dict, {})
+        resources[container] = {part: {k: str(v) for k, v in dict(value.get(part) or {}).items()}
+                                for part in ("requests", "limits") if value.get(part)}  # fmt: skip
+        check_resources(f"spec.pod.resources.{container}", resources[container])
+    for part, quantities in resources["agent"].items():
+        for name in quantities:
+            if name.startswith("hugepages-"):
+                raise SpecError(f"spec.pod.resources.agent.{part}.{name}", "follows spec.dram.size and "
+                                "spec.dram.hugepageSize; remove it and size the DRAM pool there")  # fmt: skip
+    return PodOptions(
+        priority_class_name=r.get("pod.priorityClassName", str, ""),
+        annotations=annotations,
+        labels=labels,
+        image_pull_secrets=tuple(secrets),
+        agent_resources=resources["agent"],
+        prepare_resources=resources["prepare"],
+    )
+
+
+# The labels render.labels puts on every object; the selectors depend on them.
+OPERATOR_LABELS = frozenset({"flatcake.io/cache"})
 
 
 def hugepage_bytes(spec: CacheSpec) -> int:

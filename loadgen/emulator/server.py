@@ -141,8 +141,10 @@ class EmulatorConfig:
             object.__setattr__(self, "layers", p.layers)
             object.__setattr__(self, "page_tokens", p.page_tokens)
             object.__setattr__(self, "bytes_per_token_layer", p.page_layer_bytes // p.page_tokens)
-        if self.page_bytes % 4096:
-            raise ValueError("page_tokens x bytes_per_token_layer must be a multiple of 4096")
+        if self.page_bytes % 4096:  # pages are read with O_DIRECT
+            raise ConfigError(f"page_tokens x bytes_per_token_layer ({self.page_tokens} x {self.bytes_per_token_layer}"
+                              ") must be a multiple of 4096: with 64 bytes per token-layer, use a multiple of 64 "
+                              "page tokens")  # fmt: skip
         if self.scheduler is not None and self.scheduler not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler: {self.scheduler!r} must be one of {', '.join(SCHEDULER_POLICIES)}")
         hicache.check_policy(self.prefetch_policy)

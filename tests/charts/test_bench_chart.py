@@ -275,3 +275,35 @@ def test_one_page_size_drives_sglang_and_the_ideal_line() -> None:
     assert sglang[sglang.index("--page-size") + 1] == args[args.index("--page-tokens") + 1] == "64"
     out = helm("template", "bench", str(CHART), *COMBINATIONS["sglang-devices"], "--set", "sglang.pageSize=64")
     assert out.returncode != 0 and "pageSize" in out.stderr  # the old second value is gone
+
+
+def test_pod_options_and_name_overrides_reach_every_pod() -> None:
+    """Issue 18: priorityClassName, pull secrets, pod annotations and labels on every pod of the release
+    (Locust master and workers, emulator, SGLang); the chart's own labels win; names follow the overrides;
+    the emulator's page is run.pageTokens like the ideal line's."""
+    values = [*COMBINATIONS["sglang-devices"], "--set", "emulator.enabled=true", "--set", "fullnameOverride=kv",
+              "--set", "priorityClassName=bench-low", "--set", "podAnnotations.team=serving",
+              "--set", "podLabels.tier=bench", "--set", "podLabels.app\\.kubernetes\\.io/component=x",
+              "--set-json", 'imagePullSecrets=[{"name": "regcred"}]', "--set", "run.pageTokens=64"]  # fmt: skip
+    docs = render_chart(*values, chart=CHART, release="bench")
+    workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Job", "Deployment")}
+    assert set(workloads) == {"kv-master", "kv-workers", "kv-emulator", "kv-sglang"}
+    for name, doc in workloads.items():
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+        pod = doc["spec"]["template"]
+        assert pod["spec"]["priorityClassName"] == "bench-low", name
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}], name
+        assert pod["metadata"]["annotations"] == {"team": "serving"}, name
+        assert pod["metadata"]["labels"]["tier"] == "bench", name
+        component = pod["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert component != "x" and component.removeprefix("locust-") in name, name  # the chart's label stays
+        if doc["kind"] == "Deployment":
+            assert doc["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    emulator = workloads["kv-emulator"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert emulator[emulator.index("--page-tokens") + 1] == "64"
+    plain = render_chart(*BASE, "--set", "emulator.enabled=true", "--set", "nameOverride=cake", chart=CHART,
+                         release="bench")  # fmt: skip
+    master = next(d for d in plain if d["kind"] == "Job" and d["metadata"]["name"].endswith("-master"))
+    assert master["metadata"]["name"] == "bench-cake-master"
+    assert "priorityClassName" not in master["spec"]["template"]["spec"]
+    assert "annotations" not in master["spec"]["template"]["metadata"]

@@ -86,3 +86,13 @@ def test_argparse_errors_have_no_traceback(tmp_path: Path) -> None:
         run.stderr.splitlines()[-1]
         == "flatcake emulate: error: argument --port: '99999' is not a TCP port (0..65535; 0 picks a free one)"
     )
+
+
+def test_emulate_page_size_that_direct_io_cannot_read_is_one_line(tmp_path: Path) -> None:
+    data = tmp_path / "emu"
+    run = flatcake_cli("emulate", "--page-tokens", "16", "--port", "0", "--data-dir", str(data))
+    lines = run.stderr.splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0].startswith("flatcake: error: page_tokens x bytes_per_token_layer (16 x 64) must be a multiple "
+                               "of 4096"), run.stderr  # fmt: skip
+    assert not data.exists()

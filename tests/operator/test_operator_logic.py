@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 from flatcake.errors import ConfigError
 from flatcake.node_agent.config import EngineConfig
 from flatcake.operator import changes, nodeids, render
-from flatcake.operator.spec import SpecError, check_node_count, check_node_fit, parse_quantity, parse_spec
+from flatcake.operator.spec import (
+    AGENT_MEMORY_BYTES,
+    SpecError,
+    check_node_count,
+    check_node_fit,
+    parse_quantity,
+    parse_spec,
+)
 from flatcake.operator.status import NodeReport, aggregate
 from tests.support.kube_api import admit
 
@@ -215,7 +222,7 @@ def test_agent_runs_with_no_privilege_but_ipc_lock() -> None:
     pod = ds["spec"]["template"]["spec"]
     agent = pod["containers"][0]
     assert agent["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
-    assert agent["resources"]["limits"] == {"memory": str(render.AGENT_MEMORY_BYTES + (1 << 30))}  # tmpfs pool
+    assert agent["resources"]["limits"] == {"memory": str(AGENT_MEMORY_BYTES + (1 << 30))}  # tmpfs pool
     assert pod["hostPID"] is False
     assert not any(v["name"] == "hugepages" for v in pod["volumes"])
     assert any(m.get("mountPropagation") == "Bidirectional" for m in pod["initContainers"][0]["volumeMounts"])
@@ -322,6 +329,7 @@ def test_rendered_objects_validate_against_kubernetes_schemas() -> None:
         {},
         {"ssd": {"directory": "/data"}, "dram": {"hugepageSize": "none"}},
         {"dram": {"hugepageSize": "1Gi", "size": "2Gi"}, "prepare": {"restartKubelet": True}},
+        {"pod": POD_OPTIONS},
     ):
         parsed = parse_spec(spec(**over))
         config = render.engine_config(parsed, CACHE)
@@ -367,3 +375,80 @@ def test_ready_label_is_a_valid_label_key_for_any_cache_name() -> None:
     for key in (short, long, other):
         assert name_part.match(key.split("/", 1)[1]), key
     assert long != other
+
+
+POD_OPTIONS: dict[str, Any] = {
+    "priorityClassName": "system-node-critical",
+    "annotations": {"example.com/team": "inference", "sidecar.istio.io/inject": "false"},
+    "labels": {"team": "inference"},
+    "imagePullSecrets": ["regcred"],
+    "resources": {
+        "agent": {"requests": {"cpu": "2"}, "limits": {"cpu": "4", "memory": "16Gi"}},
+        "prepare": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+    },
+}
+
+
+@pytest.mark.unit
+def test_pod_options_reach_the_agent_and_reclaim_pods() -> None:
+    parsed = parse_spec(spec(dram={"size": "8Gi", "hugepageSize": "2Mi"}, pod=POD_OPTIONS))
+    config = render.engine_config(parsed, CACHE)
+    template = render.daemon_set(parsed, CACHE, config)["spec"]["template"]
+    pod = template["spec"]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert template["metadata"]["labels"]["team"] == "inference"
+    assert template["metadata"]["labels"]["flatcake.io/cache"] == "main"  # the selector's labels stay
+    assert template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    assert template["metadata"]["annotations"]["flatcake.io/config-hash"] == render.config_hash(config)
+    agent = pod["containers"][0]["resources"]
+    # The user's CPU and a raised memory limit on top of what the DRAM pool needs (its hugepages).
+    assert agent["requests"] == {"cpu": "2", "hugepages-2Mi": str(8 << 30), "memory": str(AGENT_MEMORY_BYTES)}
+    assert agent["limits"] == {"cpu": "4", "hugepages-2Mi": str(8 << 30), "memory": "16Gi"}
+    assert pod["initContainers"][0]["resources"] == POD_OPTIONS["resources"]["prepare"]
+    reclaim = render.reclaim_daemon_set(parsed, CACHE)["spec"]["template"]
+    assert reclaim["spec"]["priorityClassName"] == "system-node-critical"
+    assert reclaim["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert reclaim["metadata"]["labels"]["team"] == "inference"
+    assert reclaim["metadata"]["labels"]["app.kubernetes.io/component"] == "reclaim"
+    # Without options the pod carries none of them (the cluster's defaults apply).
+    plain = parse_spec(spec())
+    bare = render.daemon_set(plain, CACHE, render.engine_config(plain, CACHE))["spec"]["template"]
+    assert "priorityClassName" not in bare["spec"] and "imagePullSecrets" not in bare["spec"]
+    assert "resources" not in bare["spec"]["initContainers"][0]
+    assert set(bare["metadata"]["annotations"]) == {"flatcake.io/config-hash"}
+
+
+@pytest.mark.unit
+def test_bad_pod_options_name_the_field_and_the_fix() -> None:
+    tmpfs = {"size": "4Gi", "hugepageSize": "none"}  # the pool is charged to the agent's memory
+    cases: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
+        "spec.pod.resources.agent.limits.memory": (
+            {"resources": {"agent": {"limits": {"memory": "2Gi"}}}}, tmpfs, "below the 4.5Gi the agent needs"),
+        "spec.pod.resources.agent.requests.memory": (
+            {"resources": {"agent": {"requests": {"memory": "64Gi"}}}}, tmpfs, "exceeds its limit"),
+        "spec.pod.resources.agent.limits.hugepages-2Mi": (
+            {"resources": {"agent": {"limits": {"hugepages-2Mi": "1Gi"}}}}, {}, "follows spec.dram.size"),
+        "spec.pod.resources.prepare.limits.cpu": (
+            {"resources": {"prepare": {"limits": {"cpu": "two"}}}}, {}, "not a Kubernetes quantity"),
+        "spec.pod.resources.prepare.requests.memory": (
+            {"resources": {"prepare": {"requests": {"memory": "1Gi"}, "limits": {"memory": "1Mi"}}}}, {},
+            "exceeds its limit"),
+        "spec.pod.labels.flatcake.io/cache": ({"labels": {"flatcake.io/cache": "x"}}, {}, "operator's own"),
+        "spec.pod.labels.app.kubernetes.io/component": (
+            {"labels": {"app.kubernetes.io/component": "x"}}, {}, "operator's own"),
+        "spec.pod.annotations.flatcake.io/config-hash": (
+            {"annotations": {"flatcake.io/config-hash": "x"}}, {}, "set by the operator"),
+    }  # fmt: skip
+    for field, (pod, dram, why) in cases.items():
+        body = spec(dram=dram) if dram else spec()
+        body["pod"] = {**body["pod"], **pod}  # behind the schema's back where it would refuse first
+        with pytest.raises(SpecError, match=f"^{re.escape(field)}: .*{why}"):
+            parse_spec(body)
+    # The schema refuses what it can see: a bad label value, a Secret name with capitals.
+    import jsonschema
+
+    for pod in ({"labels": {"team": "a b"}}, {"imagePullSecrets": ["RegCred"]},
+                {"resources": {"agent": {"limits": {"cpu": 1.5}}}}):  # fmt: skip
+        with pytest.raises(jsonschema.ValidationError):
+            admit("flatcake.io", "flatcakecaches", {"spec": spec(pod=pod)})

@@ -1,18 +1,48 @@
+{{- define "bench.name" -}}
+{{- .Values.nameOverride | default .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* <release>-<name>, or the release alone when it already contains the name, or fullnameOverride. */}}
 {{- define "bench.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else if contains (include "bench.name" .) .Release.Name -}}
 {{- .Release.Name | trunc 50 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name (include "bench.name" .) | trunc 50 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 
 {{- define "bench.labels" -}}
-app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/name: {{ include "bench.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: flatcake
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* A pod template's metadata: podLabels and podAnnotations, under the chart's own labels (which
+the selectors use, so they win). Called with (dict "root" $ "component" NAME). */}}
+{{- define "bench.podMeta" -}}
+{{- $own := merge (dict "app.kubernetes.io/component" .component) (include "bench.labels" .root | fromYaml) -}}
+labels:
+  {{- toYaml (merge $own (deepCopy .root.Values.podLabels)) | nindent 2 }}
+{{- with .root.Values.podAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod spec fields every pod of the release shares. */}}
+{{- define "bench.podOptions" -}}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{- define "bench.image" -}}
