@@ -1069,6 +1069,30 @@ def _stream_usage(body: dict[str, Any], stream: bool) -> bool:
     return _flag(options, "include_usage")
 
 
+@dataclass(frozen=True)
+class _OpenAIOptions:
+    """What both OpenAI endpoints take alike, parsed and checked once."""
+
+    n: int
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    details: bool  # SGLang's return_cached_tokens_details
+    model: str
+
+
+def _openai_options(body: dict[str, Any]) -> _OpenAIOptions:
+    stream = _flag(body, "stream")
+    return _OpenAIOptions(
+        n=_int(body.get("n"), "n", 1, MAX_N),
+        stops=_stops(body.get("stop"), "stop"),
+        stream=stream,
+        include_usage=_stream_usage(body, stream),
+        details=_flag(body, "return_cached_tokens_details"),
+        model=str(body.get("model") or MODEL_NAME),
+    )
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI ``POST /v1/completions``: text or token-id prompts, batches, ``n``, ``stop``, ``stream``
     (the usage chunk with ``choices: []`` only when ``stream_options.include_usage`` asks for it)."""
@@ -1076,22 +1100,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_params(body, _OAI_SERVED, _OAI_OFF)
     prompts, _ = _prompts(body.get("prompt"), "prompt")
     limit = _int(body.get("max_tokens"), "max_tokens", 16, 65536)
-    n = _int(body.get("n"), "n", 1, MAX_N)
+    opts = _openai_options(body)
+    n, stops, details = opts.n, opts.stops, opts.details
     if body.get("best_of") is not None and _int(body["best_of"], "best_of", 1, MAX_N) != n:
         raise _bad_request("best_of: only best_of = n is served (the emulator does not rank choices)", "best_of")
-    stops = _stops(body.get("stop"), "stop")
-    stream = _flag(body, "stream")
-    include_usage = _stream_usage(body, stream)
-    details = _flag(body, "return_cached_tokens_details")
-    model = str(body.get("model") or MODEL_NAME)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+        return {"id": cid, "object": "text_completion", "created": created, "model": opts.model, "choices": choices,
                 **extra}  # fmt: skip
 
     async with _answering(request) as emu:
-        if not stream:
+        if not opts.stream:
             got = await _answer(emu, prompts, limit, stops)
             choices = [{"index": i * n + j, "text": got.texts[i], "logprobs": None, "finish_reason": ev.finish}
                        for i, ev in enumerate(got.done) for j in range(n)]  # fmt: skip
@@ -1105,7 +1125,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             await resp.write(_sse(chunk(choices, **(_sglext(emu, [ev.outcome], details) if ev.finish else {}))))
 
         got = await _answer(emu, prompts, limit, stops, write)
-        if include_usage:
+        if opts.include_usage:
             await resp.write(_sse(chunk([], usage=_usage(emu, got.outs, n * sum(ev.tokens for ev in got.done)))))
         return await _end_stream(resp)
 
@@ -1172,19 +1192,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if len(set(limits.values())) > 1:
         raise _bad_request("max_tokens: differs from max_completion_tokens; give one of them", "max_tokens")
     limit = next(iter(limits.values()), 128)
-    n = _int(body.get("n"), "n", 1, MAX_N)
-    stops = _stops(body.get("stop"), "stop")
-    stream = _flag(body, "stream")
-    include_usage = _stream_usage(body, stream)
-    details = _flag(body, "return_cached_tokens_details")
-    model = str(body.get("model") or MODEL_NAME)
+    opts = _openai_options(body)
+    n, stops, details = opts.n, opts.stops, opts.details
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def reply(kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": cid, "object": kind, "created": created, "model": model, "choices": choices, **extra}
+        return {"id": cid, "object": kind, "created": created, "model": opts.model, "choices": choices, **extra}
 
     async with _answering(request) as emu:
-        if not stream:
+        if not opts.stream:
             got = await _answer(emu, [prompt], limit, stops)
             ev = got.done[0]
             choices = [{"index": j, "message": {"role": "assistant", "content": got.texts[0]}, "logprobs": None,
@@ -1206,7 +1222,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             await resp.write(_sse(reply("chat.completion.chunk", choices, **extra)))
 
         got = await _answer(emu, [prompt], limit, stops, write)
-        if include_usage:
+        if opts.include_usage:
             usage = _usage(emu, got.outs, n * got.done[0].tokens)
             await resp.write(_sse(reply("chat.completion.chunk", [], usage=usage)))
         return await _end_stream(resp)
