@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
+import numpy.typing as npt
 
 from flatcake.errors import StorageWriteError
 from flatcake.node_agent.catalog.files import fsync_dir, share_fd
@@ -39,7 +41,7 @@ from flatcake.node_agent.constants import JOURNAL_FSYNC_POLICIES as POLICIES
 from flatcake.node_agent.policy.extents import Extent
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Key
-from flatcake.node_agent.policy.scopes import Location, Scope
+from flatcake.node_agent.policy.scopes import Scope
 
 log = logging.getLogger(__name__)
 
@@ -345,10 +347,15 @@ def _replay_v1(path: Path, data: bytes, report: ReplayReport) -> Iterator[dict[s
             f.truncate(at)
 
 
+def _ints(column: Sequence[int] | npt.NDArray[Any]) -> list[int]:
+    return column.tolist() if isinstance(column, np.ndarray) else list(column)
+
+
 def publish_record(
     scope: Scope,
     keys: Sequence[Key],
-    locs: Sequence[Location],
+    gva: Sequence[int] | npt.NDArray[np.uint64],
+    stride: Sequence[int] | npt.NDArray[np.int64],
     slots: Sequence[int],
     crc: Sequence[int],
     extents: Sequence[Extent] = (),
@@ -362,7 +369,7 @@ def publish_record(
     while it skips an SSD record as malformed rather than misread its space."""
     record = {
         "t": "pub", "scope": scope.id, "medium": int(scope.medium), "keys": list(keys),
-        "gva": [loc.gva for loc in locs], "stride": [loc.layer_stride for loc in locs],
+        "gva": _ints(gva), "stride": _ints(stride),
         "slots": list(slots), "crc": list(crc),
     }  # fmt: skip
     if scope.medium is Medium.SSD:

@@ -25,7 +25,15 @@ from flatcake.node_agent.config import PlacementConfig
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.keyindex import pack, unpack
 from flatcake.node_agent.policy.placement import Hints, Key, PlacementCounts, decide
-from flatcake.node_agent.policy.scopes import Location, Reservation, Scope, ScopeTable, Segment, as_locations
+from flatcake.node_agent.policy.scopes import (
+    Location,
+    Reservation,
+    Scope,
+    ScopeTable,
+    Segment,
+    as_locations,
+    key_digests,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +124,15 @@ class LocalCatalog:
     def allocate(self, keys: Sequence[Key], hints: Hints) -> Allocation | None:
         t = self.table
         with t.lock:
-            new = t.new_keys(keys)
+            d = key_digests(keys)
+            new = t.new_keys(keys, d)
             if not new:
                 return None
             # Pages extending a stored prefix join its scope: the parent is the last stored page before
             # the first new one, or the caller's hint.
             parent = keys[new[0] - 1] if new[0] > 0 else hints.parent_key
-            res = t.reserve([keys[i] for i in new], parent, decide(hints, self.placement))
+            at = np.asarray(new)
+            res = t.reserve([keys[i] for i in new], parent, decide(hints, self.placement), new=(d[0][at], d[1][at]))
         alloc_id = next(self._ids)
         with self._lock:
             self._allocs[alloc_id] = (res, new)
@@ -153,7 +163,7 @@ class LocalCatalog:
             if self.journal is not None:  # durable before visible
                 try:
                     self.journal.append(
-                        publish_record(res.scope, res.keys, res.locations, res.slots, checksums, res.extents)
+                        publish_record(res.scope, res.keys, res.gva, res.stride, res.slots, checksums, res.extents)
                     )
                 except BaseException:  # not journaled, so never visible: give the keys and the space back
                     self.table.abort(res)
@@ -257,8 +267,7 @@ class LocalCatalog:
                 continue
             d = scope.keys.digests()
             found = t.find_digests(d)
-            locs = cast(list[Location], as_locations(found))
-            record = publish_record(scope, [], locs, scope.slots, found.crc.tolist(), scope.extents)
+            record = publish_record(scope, [], found.gva, found.stride, scope.slots, found.crc.tolist(), scope.extents)
             del record["keys"]
             record["kd"] = pack(d)
             out.append(record)

@@ -49,6 +49,7 @@ SLOT = np.dtype([("seq", "<u4"), ("stride", "<u4"), ("h1", "<u8"), ("h2", "<u8")
 # Header words (u64).
 _MAGIC, _SLOTS, _MAX_PROBE, _COMPLETE, _RETIRED, _EPOCH, _LIVE, _TOMBS = range(8)
 EMPTY, TOMB = 0, 1
+SCALAR_TAIL = 16  # keys left in a batch below which _place walks each alone
 MAX_PROBE = 512  # an insert displaced further than this: the table is rebuilt twice as large
 MIN_SLOTS = 1024
 SPIN_SECONDS = 0.05  # a slot odd this long: its writer died mid-write
@@ -383,16 +384,19 @@ class KeyIndex:
 
 def _place(t: Table, h1: U64, h2: U64, scope: U32, gva: U64, stride: U32, crc: U32) -> npt.NDArray[np.int64]:
     """Write entries into ``t``, one numpy pass per probe step for the whole batch; returns the
-    positions of those displaced more than ``MAX_PROBE`` (not written)."""
+    positions of those displaced more than ``MAX_PROBE`` (not written). The last few keys of a batch,
+    those in long probe runs, are walked one by one: a numpy pass per step for a handful of keys cost
+    more than the rest of the batch."""
     n = len(h1)
     todo = np.arange(n)
     pos = h1 & t.mask
     dist = np.zeros(n, np.int64)
-    over = np.zeros(0, np.int64)
-    while todo.size:
+    over: list[npt.NDArray[np.int64]] = []
+    cols = (h1, h2, scope, gva, stride, crc)
+    while todo.size > SCALAR_TAIL:
         far = dist[todo] > MAX_PROBE
         if far.any():
-            over = np.concatenate([over, todo[far]])
+            over.append(todo[far])
             todo = todo[~far]
             continue
         p = pos[todo]
@@ -403,16 +407,7 @@ def _place(t: Table, h1: U64, h2: U64, scope: U32, gva: U64, stride: U32, crc: U
         _, first = np.unique(cp, return_index=True)  # one key per slot per round
         win, wp = cand[first], cp[first]
         if win.size:
-            reused = int(np.count_nonzero(t.h1[wp] == _U(TOMB)))
-            replaced = int(np.count_nonzero(t.h1[wp] > _U(TOMB)))
-            t.header[_MAX_PROBE] = max(int(t.header[_MAX_PROBE]), int(dist[win].max()))
-            t.seq[wp] += np.uint32(1)  # odd: readers retry these slots
-            t.h1[wp], t.h2[wp], t.gva[wp], t.stride[wp] = h1[win], h2[win], gva[win], stride[win]
-            t.seq[wp] += np.uint32(1)  # even: published
-            if len(t.scope):
-                t.scope[wp], t.crc[wp] = scope[win], crc[win]
-            t.header[_TOMBS] -= _U(reused)
-            t.header[_LIVE] += _U(win.size - replaced)
+            _write(t, wp, win, dist, cols)
         done = np.zeros(n, bool)
         done[win] = True
         # Keys whose slot was taken move on; keys that lost a free slot to a sibling look again.
@@ -420,7 +415,36 @@ def _place(t: Table, h1: U64, h2: U64, scope: U32, gva: U64, stride: U32, crc: U
         pos[moved] = (pos[moved] + _U(1)) & t.mask
         dist[moved] += 1
         todo = todo[~done[todo]]
-    return over
+    mask, tomb = int(t.mask), _U(TOMB)
+    for i in todo.tolist():
+        at, d, a, b = int(pos[i]), int(dist[i]), h1[i], h2[i]
+        while d <= MAX_PROBE:
+            cur = t.h1[at]
+            if cur <= tomb or (cur == a and t.h2[at] == b):
+                dist[i] = d
+                _write(t, np.array([at]), np.array([i]), dist, cols)
+                break
+            at, d = (at + 1) & mask, d + 1
+        else:
+            over.append(np.array([i]))
+    return np.concatenate(over) if over else np.zeros(0, np.int64)
+
+
+def _write(
+    t: Table, wp: npt.NDArray[Any], win: npt.NDArray[Any], dist: npt.NDArray[np.int64], cols: tuple[Any, ...]
+) -> None:
+    """Entries ``win`` into free slots ``wp``, each under its slot's sequence number."""
+    h1, h2, scope, gva, stride, crc = cols
+    reused = int(np.count_nonzero(t.h1[wp] == _U(TOMB)))
+    replaced = int(np.count_nonzero(t.h1[wp] > _U(TOMB)))
+    t.header[_MAX_PROBE] = max(int(t.header[_MAX_PROBE]), int(dist[win].max()))
+    t.seq[wp] += np.uint32(1)  # odd: readers retry these slots
+    t.h1[wp], t.h2[wp], t.gva[wp], t.stride[wp] = h1[win], h2[win], gva[win], stride[win]
+    t.seq[wp] += np.uint32(1)  # even: published
+    if len(t.scope):
+        t.scope[wp], t.crc[wp] = scope[win], crc[win]
+    t.header[_TOMBS] -= _U(reused)
+    t.header[_LIVE] += _U(win.size - replaced)
 
 
 # ---- a scope's pages -------------------------------------------------------------------------------

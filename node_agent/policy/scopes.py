@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from flatcake.errors import PoolFullError
 from flatcake.node_agent.constants import ALIGN
@@ -85,7 +86,9 @@ class Reservation:
     segments: list[Segment] = field(default_factory=list)  # SSD
     extents: list[Extent] = field(default_factory=list)  # SSD: each touched extent, through its last segment
     slots: list[int] = field(default_factory=list)  # DRAM
-    locations: list[Location] = field(default_factory=list)
+    # Each page's GVA and layer stride, in ``keys`` order (columns: the index takes them as they are).
+    gva: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, np.uint64))
+    stride: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
     digests: Digests | None = None  # of ``keys``, once hashed
 
 
@@ -171,7 +174,7 @@ class ScopeTable:
     def find(self, keys: Sequence[Key]) -> Found:
         """Each key's entry (``Found`` columns); a key of another type than str/bytes/int is a
         ValueError naming the types."""
-        return self.find_digests(_digests(keys))
+        return self.find_digests(key_digests(keys))
 
     def find_digests(self, d: Digests) -> Found:
         found = self.index.find(d)
@@ -222,22 +225,28 @@ class ScopeTable:
         return 1 if medium is Medium.SSD else self.page_span
 
     # ---- writers -----------------------------------------------------------------------------
-    def new_keys(self, keys: Sequence[Key]) -> list[int]:
-        """Indexes of keys neither stored nor being written by someone else."""
+    def new_keys(self, keys: Sequence[Key], digests: Digests | None = None) -> list[int]:
+        """Indexes of keys neither stored nor being written by someone else (``digests``: of
+        ``keys``, when the caller has them)."""
         with self.lock:
-            stored = self.find(keys).hit.tolist()
+            stored = self.find_digests(key_digests(keys) if digests is None else digests).hit.tolist()
             pending = self._pending
             return [i for i, (k, s) in enumerate(zip(keys, stored, strict=True)) if not s and k not in pending]
 
-    def reserve(self, keys: list[Key], parent: Key | None, decision: Decision) -> Reservation:
+    def reserve(
+        self, keys: list[Key], parent: Key | None, decision: Decision, *, new: Digests | None = None
+    ) -> Reservation:
         """Take space for ``keys`` (all new) and pin their scope; raises PoolFullError with nothing
-        changed when even reclaim cannot make room."""
+        changed when even reclaim cannot make room. ``new``: the keys' digests from a ``new_keys``
+        call made under this same hold of the lock (so they are known new, and not checked again)."""
         with self.lock:
-            digests = _digests(keys)
-            stored = self.find_digests(digests).hit.tolist()
-            dup = [k for k, s in zip(keys, stored, strict=True) if s or k in self._pending]
-            if dup:
-                raise ValueError(f"keys: {dup[:3]!r} already stored or being written")
+            digests = new
+            if digests is None:
+                digests = key_digests(keys)
+                stored = self.find_digests(digests).hit.tolist()
+                dup = [k for k, s in zip(keys, stored, strict=True) if s or k in self._pending]
+                if dup:
+                    raise ValueError(f"keys: {dup[:3]!r} already stored or being written")
             loc = self.lookup(parent) if parent is not None else None
             scope = self.scopes.get(loc.scope) if loc is not None else None
             if scope is not None:
@@ -268,11 +277,10 @@ class ScopeTable:
             scope = self._new_scope(Medium.DRAM)
         slots = self.dram.alloc(n)
         scope.slots.extend(slots)
-        stride = self.page_bytes
-        locs = [
-            Location(scope.id, G.encode(Medium.DRAM, self.node_id, s * self.layers * stride), stride) for s in slots
-        ]
-        return Reservation(list(keys), scope, decision, new, slots=slots, locations=locs)
+        base = G.encode(Medium.DRAM, self.node_id, 0)
+        gva = np.asarray(slots, np.uint64) * np.uint64(self.page_span) + np.uint64(base)
+        stride = np.full(n, self.page_bytes, np.int64)
+        return Reservation(list(keys), scope, decision, new, slots=slots, gva=gva, stride=stride)
 
     def _reserve_ssd(self, keys: list[Key], scope: Scope | None, decision: Decision) -> Reservation:
         span = self.page_span
@@ -303,13 +311,15 @@ class ScopeTable:
             # space a concurrent, later-aborted append took is never claimed by this record).
             res.extents.append(Extent(ext.file, ext.offset, at + count * span - ext.offset))
             page += count
+        res.gva, res.stride = np.empty(n, np.uint64), np.empty(n, np.int64)
         for seg in res.segments:
-            stride = seg.pages * self.page_bytes
-            base = seg.file * self.file_bytes + seg.offset
-            for j in range(seg.pages):
-                res.locations.append(
-                    Location(scope.id, G.encode(Medium.SSD, self.node_id, base + j * self.page_bytes), stride)
-                )
+            # A segment's pages are consecutive page_bytes apart within one layer's run; encoding its
+            # last byte too refuses a segment whose end does not fit the GVA's offset field.
+            first = G.encode(Medium.SSD, self.node_id, seg.file * self.file_bytes + seg.offset)
+            G.encode(Medium.SSD, self.node_id, seg.file * self.file_bytes + seg.offset + seg.pages * span - 1)
+            run = slice(seg.first_page, seg.first_page + seg.pages)
+            res.gva[run] = np.arange(seg.pages, dtype=np.uint64) * np.uint64(self.page_bytes) + np.uint64(first)
+            res.stride[run] = seg.pages * self.page_bytes
         scope.segments += len(res.segments)
         return res
 
@@ -347,12 +357,10 @@ class ScopeTable:
     def publish(self, res: Reservation, checksums: Sequence[int] | None = None) -> None:
         """Make the written pages visible; from here on readers find them."""
         with self.lock:
-            d = res.digests if res.digests is not None else _digests(res.keys)
+            d = res.digests if res.digests is not None else key_digests(res.keys)
             n = len(res.keys)
-            gva = np.fromiter((loc.gva for loc in res.locations), np.uint64, n)
-            stride = np.fromiter((loc.layer_stride for loc in res.locations), np.int64, n)
             crc = np.zeros(n, np.int64) if checksums is None else np.asarray(checksums, np.int64)
-            self.index.put(d, res.scope.id, gva, stride, crc)
+            self.index.put(d, res.scope.id, res.gva, res.stride, crc)
             res.scope.keys.extend(d)
             self._pending.difference_update(res.keys)
             res.scope.pins -= 1
@@ -388,7 +396,7 @@ class ScopeTable:
         """Find ``keys`` and, when every one is stored, pin their scopes, in one step under the lock
         (a reader about to read their bytes: nothing can reclaim them in between). ``Found`` says which
         were not (nothing is pinned then)."""
-        d = _digests(keys)
+        d = key_digests(keys)
         with self.lock:
             found = self.index.find(d, stable_only=False)
             assert found is not None
@@ -529,7 +537,7 @@ class ScopeTable:
             }
 
 
-def _digests(keys: Sequence[Key]) -> Digests:
+def key_digests(keys: Sequence[Key]) -> Digests:
     d = hash_keys(keys)
     if d is None:
         bad = next(k for k in keys if not isinstance(k, str | bytes | int))

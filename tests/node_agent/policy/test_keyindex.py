@@ -88,3 +88,24 @@ def test_pages_grow_find_and_pop_in_publish_order() -> None:
     assert pages.index(int(d[0][5]), int(d[1][5])) == 4
     pages.clear()
     assert not pages
+
+
+@pytest.mark.parametrize("tail", [0, 1 << 20])  # every key through the batch passes, or each walked alone
+def test_keys_displaced_too_far_grow_the_table_and_none_is_lost(monkeypatch: pytest.MonkeyPatch, tail: int) -> None:
+    monkeypatch.setattr(K, "SCALAR_TAIL", tail)
+    monkeypatch.setattr(K, "MAX_PROBE", 3)
+    index = K.KeyIndex(K.MIN_SLOTS)
+    # All in one home slot of the first table: most are displaced past MAX_PROBE, and the table grows
+    # until their homes spread (at 16 times, 4 keys or fewer per home).
+    n = 40
+    h1 = np.arange(n, dtype=np.uint64) * np.uint64(K.MIN_SLOTS) + np.uint64(7)
+    h2 = np.arange(n, dtype=np.uint64) + np.uint64(100)
+    gva = np.arange(n, dtype=np.uint64) * np.uint64(4096)
+    index.put((h1, h2), 5, gva, np.full(n, 4096), np.arange(n))
+    found = index.find((h1, h2))
+    assert found is not None and found.hit.all() and len(index) == n
+    assert np.array_equal(found.gva, gva) and np.array_equal(found.crc, np.arange(n))
+    assert index.rebuilds >= 1 and int(index.t.header[K._MAX_PROBE]) <= 3
+    index.put((h1[:5], h2[:5]), 6, gva[:5] + np.uint64(1), np.full(5, 4096), np.zeros(5))  # replaced, not added
+    again = index.find((h1, h2))
+    assert again is not None and len(index) == n and again.gva[0] == 1 and again.scope[5] == 5
