@@ -421,13 +421,29 @@ def _place(t: Table, h1: U64, h2: U64, scope: U32, gva: U64, stride: U32, crc: U
         while d <= MAX_PROBE:
             cur = t.h1[at]
             if cur <= tomb or (cur == a and t.h2[at] == b):
-                dist[i] = d
-                _write(t, np.array([at]), np.array([i]), dist, cols)
+                _write_one(t, at, i, d, cols)
                 break
             at, d = (at + 1) & mask, d + 1
         else:
             over.append(np.array([i]))
     return np.concatenate(over) if over else np.zeros(0, np.int64)
+
+
+def _write_one(t: Table, at: int, i: int, dist: int, cols: tuple[Any, ...]) -> None:
+    """``_write`` for one entry, element by element (a fancy-indexed pass per field costs far more)."""
+    h1, h2, scope, gva, stride, crc = cols
+    cur = t.h1[at]
+    if dist > int(t.header[_MAX_PROBE]):
+        t.header[_MAX_PROBE] = dist
+    t.seq[at] += np.uint32(1)  # odd: readers retry this slot
+    t.h1[at], t.h2[at], t.gva[at], t.stride[at] = h1[i], h2[i], gva[i], stride[i]
+    t.seq[at] += np.uint32(1)  # even: published
+    if len(t.scope):
+        t.scope[at], t.crc[at] = scope[i], crc[i]
+    if cur == _U(TOMB):
+        t.header[_TOMBS] -= _U(1)
+    if cur <= _U(TOMB):
+        t.header[_LIVE] += _U(1)
 
 
 def _write(
