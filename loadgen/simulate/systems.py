@@ -113,6 +113,7 @@ class Instance:
         self.node, self.index = node, index
         self.hbm = HbmCache(c.hbm_pages)
         self.h2d = Device(c.device.h2d_bytes_per_s, 0.0, 1)
+        self.writer = Device(c.device.h2d_bytes_per_s, 0.0, 1)  # tiered: the one thread filling the host tier
         self.busy = False
         self.sched = Scheduler(c.scheduler)
         self.jobs: dict[str, Job] = {}
@@ -525,26 +526,37 @@ class Tiered(System):
         self._finish_prefill(job, cached, dram)
 
     def store(self, job: Job, cached: int) -> None:
-        # New pages enter the host tier; what falls off its LRU end goes to the SSD log (L3) or is lost (L2).
-        self._l2_insert(job.inst, list(job.req.keys[cached:]))
-
-    def _l2_insert(self, inst: Instance, keys: list[int]) -> None:
-        if not keys:
+        """New pages enter the host tier; what falls off its LRU end goes to the SSD log (L3) or is lost
+        (L2). HiCache evicts a page from HBM only once it is backed up, so the new pages stay pinned there
+        until the one writer has copied them into the host tier and written what that pushed to the log
+        (the emulator's store returns then)."""
+        inst, new = job.inst, list(job.req.keys[cached:])
+        if not new:
             return
+        inst.hbm.pin(new, +1)
+        done = inst.writer.submit(self.loop.now, len(new) * self.c.page_span, 1)
+        spilled = self._l2_insert(inst, new)
+        self.loop.at(max(done, spilled or done), inst.hbm.pin, new, -1)
+
+    def _l2_insert(self, inst: Instance, keys: list[int]) -> float | None:
+        """Insert into the host tier; when the evicted pages' write to the log lands (None: no write)."""
+        if not keys:
+            return None
         l2 = inst.l2
         for key in reversed(keys):
             l2[key] = None
             l2.move_to_end(key)
         excess = len(l2) - self.l2_pages
         if excess <= 0:
-            return
+            return None
         evicted = [l2.popitem(last=False)[0] for _ in range(excess)]
         if self.l3_enabled:
-            self._l3_append(inst.node, [k for k in evicted if k not in self.l3[inst.node]])
+            return self._l3_append(inst.node, [k for k in evicted if k not in self.l3[inst.node]])
+        return None
 
-    def _l3_append(self, node: int, keys: list[int]) -> None:
+    def _l3_append(self, node: int, keys: list[int]) -> float | None:
         if not keys:
-            return
+            return None
         l3, buckets = self.l3[node], self.bucket_keys[node]
         writes = 0
         for key in keys:
@@ -562,7 +574,8 @@ class Tiered(System):
             writes += 1
             self.cursor[node] = (self.cursor[node] + 1) % (self.bucket_pages * self.buckets)
         span = self.c.page_span
-        self.ssd[node].submit(self.loop.now, writes * span, max(1, writes * span // self.c.bucket_bytes), write=True)
+        return self.ssd[node].submit(self.loop.now, writes * span, max(1, writes * span // self.c.bucket_bytes),
+                                     write=True)  # fmt: skip
 
     def occupancy(self) -> tuple[int, int]:
         w, span = self.c.width, self.c.page_span

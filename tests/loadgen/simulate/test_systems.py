@@ -141,3 +141,29 @@ def test_the_policy_is_imported_from_the_agent_not_copied() -> None:
             elif isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name in policy:
                 defined.append(f"{path.relative_to(root)}:{node.name}")
     assert used <= imported and not defined, (used - imported, defined)
+
+
+@pytest.mark.parametrize("system", ["tiered-l2", "tiered-l3"])
+def test_tiered_keeps_new_pages_in_hbm_until_backed_up(tmp_path: Path, system: str) -> None:
+    """HiCache evicts a page from HBM only once the host tier holds it (the emulator: new pages are
+    pinned from its insert until their store returns). A's pages that survived its own insert are
+    still in HBM for A's next turn when another session's prefill ran during A's write-back; once
+    written back, that prefill evicts them."""
+    from flatcake.loadgen.simulate import devices
+
+    one = tmp_path / "one.jsonl"
+    a = TraceRequest(0.0, 4096, 1, tuple(range(1, 9)), "a", 1, 512)  # 16 pages of 256 tokens
+    write_trace(one, [a])
+    ttft = simulate(small(str(one)), system, None)[0]["ttft_mean_s"]
+    b = TraceRequest(0.0, 4096, 1, tuple(range(101, 109)), "b", 1, 512)  # as long, queued behind A
+    again = TraceRequest(2 * ttft + 1e-3, 5120, 1, tuple(range(1, 11)), "a", 2, 512)  # after B's prefill
+    three = tmp_path / "three.jsonl"
+    write_trace(three, [a, b, again])
+    fast = devices.profile("this-vm")
+    slow = dataclasses.replace(fast, h2d_bytes_per_s=1e6)  # the copy into the host tier takes seconds
+    hbm = 16 * MiB  # 7 pages of dsv4-flash's 2 MiB rank page
+    hits = {}
+    for name, device in (("slow", slow), ("fast", fast)):
+        _, sim = simulate(small(str(three), hbm_bytes=hbm, device=device), system, None)
+        hits[name] = max(sim.records, key=lambda r: r.arrival).hit["hbm"]
+    assert hits == {"slow": 7, "fast": 0}, hits
