@@ -508,10 +508,12 @@ class Tiered(System):
             while cached < len(keys) and keys[cached] in hbm:
                 rec.hit["ssd" if keys[cached] in job.prefetched else "hbm"] += 1
                 cached += 1
+            hit = cached
             while cached < len(keys) and keys[cached] in l2:
-                l2.move_to_end(keys[cached])
                 dram += 1
                 cached += 1
+            for key in reversed(keys[hit:cached]):  # a use, deepest page first (as the host tier inserts)
+                l2.move_to_end(key)
             if cached == start:
                 break
         rec.hit["dram"] = dram

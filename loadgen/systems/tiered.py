@@ -86,7 +86,9 @@ class TieredStore:
         self._insert(keys, [np.ascontiguousarray(pages[:, i]) for i in range(len(keys))])
 
     def _insert(self, keys: Sequence[Key], pages: list[Array]) -> None:
-        for key, page in zip(keys, pages, strict=True):
+        # Deepest page first, so a prefix is more recent than its tail: eviction takes leaves first, as
+        # SGLang's radix tree evicts (a page without its prefix is of no use).
+        for key, page in reversed(list(zip(keys, pages, strict=True))):
             with self._lock:
                 if key in self.l2:
                     self.l2.move_to_end(key)
@@ -162,6 +164,10 @@ class TieredStore:
         pool = self.host_pool if self.host_pool is not None and n <= len(self.host_pool) else None
         with self._lock:  # what is where, now; the reads run unlocked
             in_dram = {i: self.l2[k] for i, k in enumerate(keys) if k in self.l2}
+            # A hit is a use: the host tier evicts the least recently used, deepest page first (a radix
+            # tree's leaves), so the prefix is touched last.
+            for i in sorted(in_dram, reverse=True):
+                self.l2.move_to_end(keys[i])
             on_ssd = {i: self.l3[k] for i, k in enumerate(keys) if i not in in_dram and k in self.l3}
         missing = {i for i in range(n) if i not in in_dram and i not in on_ssd}
         if self.reader == "whole_page":
