@@ -369,8 +369,9 @@ class KeyIndex:
         if grow:
             slots = max(slots, old.slots * 2)
         new = self._new_table(slots)
-        left = _place(new, old.h1[live], old.h2[live], old.scope[live], old.gva[live], old.stride[live],
-                      old.crc[live])  # fmt: skip
+        scope = old.scope[live] if len(old.scope) else np.zeros(len(live), np.uint32)
+        crc = old.crc[live] if len(old.crc) else np.zeros(len(live), np.uint32)
+        left = _fill(new, old.h1[live], old.h2[live], scope, old.gva[live], old.stride[live], crc)
         if left.size:  # cannot happen in a table at most half full; say so rather than lose entries
             raise RuntimeError(f"key index rebuild: {left.size} entries found no slot in {slots}")
         self._install(new)
@@ -427,6 +428,34 @@ def _place(t: Table, h1: U64, h2: U64, scope: U32, gva: U64, stride: U32, crc: U
         else:
             over.append(np.array([i]))
     return np.concatenate(over) if over else np.zeros(0, np.int64)
+
+
+def _fill(t: Table, h1: U64, h2: U64, scope: U32, gva: U64, stride: U32, crc: U32) -> npt.NDArray[np.int64]:
+    """Distinct entries into an empty table no reader sees yet, in one pass: in order of home slot,
+    each entry takes the first free slot from its home, which is ``max(home, previous + 1)``, a running
+    maximum (the table inserting them one by one in that order). Entries that would run past the end
+    (the last cluster wrapping) go through ``_place``, and all of them do when one would land farther than
+    ``MAX_PROBE``; returns those it could not place, as ``_place`` does."""
+    n = len(h1)
+    home = (h1 & t.mask).astype(np.int64)
+    order = np.argsort(home, kind="stable")
+    steps = np.arange(n, dtype=np.int64)
+    at = np.maximum.accumulate(home[order] - steps) + steps  # each after the one before, never before home
+    if n and int((at - home[order]).max()) > MAX_PROBE:  # skipping one would leave a hole in a run: no
+        return _place(t, h1, h2, scope, gva, stride, crc)
+    ok = at < t.slots  # only the last run can pass the end: what follows the first such entry does too
+    put, where = order[ok], at[ok]
+    t.h1[where], t.h2[where], t.gva[where], t.stride[where] = h1[put], h2[put], gva[put], stride[put]
+    if len(t.scope):
+        t.scope[where], t.crc[where] = scope[put], crc[put]
+    t.header[_LIVE] += _U(put.size)
+    if put.size:
+        t.header[_MAX_PROBE] = max(int(t.header[_MAX_PROBE]), int((at - home[order])[ok].max()))
+    rest = order[~ok]
+    if not rest.size:
+        return rest
+    left = _place(t, h1[rest], h2[rest], scope[rest], gva[rest], stride[rest], crc[rest])
+    return rest[left]
 
 
 def _write_one(t: Table, at: int, i: int, dist: int, cols: tuple[Any, ...]) -> None:

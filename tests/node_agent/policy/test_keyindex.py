@@ -109,3 +109,33 @@ def test_keys_displaced_too_far_grow_the_table_and_none_is_lost(monkeypatch: pyt
     index.put((h1[:5], h2[:5]), 6, gva[:5] + np.uint64(1), np.full(5, 4096), np.zeros(5))  # replaced, not added
     again = index.find((h1, h2))
     assert again is not None and len(index) == n and again.gva[0] == 1 and again.scope[5] == 5
+
+
+def _cols(h1: np.ndarray) -> tuple[np.ndarray, ...]:
+    n = len(h1)
+    h2 = np.arange(n, dtype=np.uint64) + np.uint64(1000)
+    return (h1.astype(np.uint64), h2, np.full(n, 3, np.uint32), np.arange(n, dtype=np.uint64) * np.uint64(4096),
+            np.full(n, 4096, np.uint32), np.arange(n, dtype=np.uint32))  # fmt: skip
+
+
+def test_a_rebuild_fills_runs_that_wrap_past_the_end() -> None:
+    t = K.Table.private(K.MIN_SLOTS)
+    homes = np.repeat(np.arange(K.MIN_SLOTS - 5, K.MIN_SLOTS), 4)  # 20 keys for the last 5 slots
+    h1 = homes.astype(np.uint64) + np.uint64(K.MIN_SLOTS) * np.arange(1, 21, dtype=np.uint64)
+    cols = _cols(h1)
+    assert K._fill(t, *cols).size == 0
+    found = K.probe(t, cols[0], cols[1])
+    assert found is not None and found.hit.all() and np.array_equal(found.gva, cols[3])
+    assert int(t.header[K._LIVE]) == 20 and np.count_nonzero(t.h1[:15] > K.TOMB) == 15  # 15 wrapped
+
+
+def test_a_rebuild_never_leaves_a_hole_in_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(K, "MAX_PROBE", 3)
+    t = K.Table.private(K.MIN_SLOTS)
+    h1 = np.uint64(100) + np.uint64(K.MIN_SLOTS) * np.arange(1, 8, dtype=np.uint64)  # 7 keys, one home
+    cols = _cols(h1)
+    left = K._fill(t, *cols)
+    assert sorted(left.tolist()) == [4, 5, 6]  # displaced past MAX_PROBE: not written (the caller grows)
+    found = K.probe(t, cols[0][:4], cols[1][:4])
+    assert found is not None and found.hit.all()  # the 4 placed are contiguous from their home
+    assert np.count_nonzero(t.h1 > K.TOMB) == 4
