@@ -40,7 +40,7 @@ from flatcake.node_agent.catalog.files import fsync_dir, share_fd
 from flatcake.node_agent.constants import JOURNAL_FSYNC_POLICIES as POLICIES
 from flatcake.node_agent.policy.extents import Extent
 from flatcake.node_agent.policy.gva import Medium
-from flatcake.node_agent.policy.placement import Key
+from flatcake.node_agent.policy.keyindex import Digests, pack
 from flatcake.node_agent.policy.scopes import Scope
 
 log = logging.getLogger(__name__)
@@ -353,14 +353,16 @@ def _ints(column: Sequence[int] | npt.NDArray[Any]) -> list[int]:
 
 def publish_record(
     scope: Scope,
-    keys: Sequence[Key],
+    digests: Digests,
     gva: Sequence[int] | npt.NDArray[np.uint64],
     stride: Sequence[int] | npt.NDArray[np.int64],
     slots: Sequence[int],
     crc: Sequence[int],
     extents: Sequence[Extent] = (),
 ) -> dict[str, Any]:
-    """The journal record of published pages (``recover`` reads it back).
+    """The journal record of published pages (``recover`` reads it back). Keys are their 16-byte
+    digests (``kd``), all the catalog keeps of them; records of earlier versions carried the keys
+    themselves (``keys``), which recovery hashes.
 
     SSD space is ``ext``: ``[file, offset, length]`` of each extent the pages lie in, from the
     extent's start through these pages (a later record of a grown extent repeats it, longer). Records
@@ -368,7 +370,7 @@ def publish_record(
     reads them. ``files``/``cursor`` stay on DRAM records (empty), so an older agent still reads those,
     while it skips an SSD record as malformed rather than misread its space."""
     record = {
-        "t": "pub", "scope": scope.id, "medium": int(scope.medium), "keys": list(keys),
+        "t": "pub", "scope": scope.id, "medium": int(scope.medium), "kd": pack(digests),
         "gva": _ints(gva), "stride": _ints(stride),
         "slots": list(slots), "crc": list(crc),
     }  # fmt: skip

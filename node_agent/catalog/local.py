@@ -163,7 +163,15 @@ class LocalCatalog:
             if self.journal is not None:  # durable before visible
                 try:
                     self.journal.append(
-                        publish_record(res.scope, res.keys, res.gva, res.stride, res.slots, checksums, res.extents)
+                        publish_record(
+                            res.scope,
+                            res.digests if res.digests is not None else key_digests(res.keys),
+                            res.gva,
+                            res.stride,
+                            res.slots,
+                            checksums,
+                            res.extents,
+                        )
                     )
                 except BaseException:  # not journaled, so never visible: give the keys and the space back
                     self.table.abort(res)
@@ -267,8 +275,6 @@ class LocalCatalog:
                 continue
             d = scope.keys.digests()
             found = t.find_digests(d)
-            record = publish_record(scope, [], found.gva, found.stride, scope.slots, found.crc.tolist(), scope.extents)
-            del record["keys"]
-            record["kd"] = pack(d)
-            out.append(record)
+            crc = found.crc.tolist()
+            out.append(publish_record(scope, d, found.gva, found.stride, scope.slots, crc, scope.extents))
         return out

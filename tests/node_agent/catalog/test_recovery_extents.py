@@ -96,6 +96,7 @@ def test_records_of_whole_files_are_still_read(tmp_path: Path) -> None:
     j.close()
     r = recover(c, tmp_path / "j.log", None)
     assert (r.pages, r.scopes, r.skipped_records, r.superseded_pages) == (6, 2, 0, 0)
+    assert c.exists(["a0", "a1", "a2", "a3"]) == 4 and c.exists(["b0", "b1"]) == 2  # keys hashed as published
     scopes = {s.id: s.extents for s in c.table.scopes.values()}
     # Scope 1 held file 0 whole (no longer its last file) and file 2 up to its cursor; scope 2 file 1's start.
     assert scopes == {1: [Extent(0, 0, 8 * SPAN), Extent(2, 0, 2 * SPAN)], 2: [Extent(1, 0, 2 * SPAN)]}
@@ -148,3 +149,19 @@ def test_ten_one_page_sessions_share_one_file_across_an_agent_restart(tmp_path: 
             assert all(np.array_equal(dest[:, i], kv[i][:, 0]) for i in range(10))
     finally:
         b.stop()
+
+
+@pytest.mark.unit
+def test_publish_records_carry_digests_not_keys(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "j.log", "never")
+    c = catalog(j)
+    keys = [f"{'ab' * 32}{i}" for i in range(3)]  # SGLang-like: 65 characters each
+    a = c.allocate(keys, SSD_HINTS)
+    assert a is not None
+    c.publish(a.id, [0, 0, 0])
+    j.close()
+    (rec,) = [r for r in replay(tmp_path / "j.log") if r["t"] == "pub"]
+    assert "keys" not in rec and isinstance(rec["kd"], bytes) and len(rec["kd"]) == 3 * 16
+    fresh = catalog(None)
+    recover(fresh, tmp_path / "j.log", None)
+    assert fresh.exists(keys) == 3
