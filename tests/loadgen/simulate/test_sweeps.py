@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from flatcake.loadgen.simulate import sweeps
 from flatcake.loadgen.simulate.run import GiB, MiB, SimConfig
 from flatcake.loadgen.traces.formats import TraceRequest, read_trace, write_trace
+from tests.support.sims import small
 
 pytestmark = pytest.mark.unit
 
@@ -37,9 +37,7 @@ def chats(path: Path, sessions: int = 4, turns: int = 4) -> str:
 
 
 def base(trace: str, **kw: Any) -> SimConfig:
-    cfg = SimConfig(trace=trace, gpus_per_node=8, hbm_bytes=64 * MiB, dram_bytes=8 * GiB, ssd_bytes=64 * GiB,
-                    qps=(1.0,), workers=2)  # fmt: skip
-    return dataclasses.replace(cfg, **kw)
+    return small(trace, **{"hbm_bytes": 64 * MiB, "dram_bytes": 8 * GiB, "ssd_bytes": 64 * GiB, "workers": 2, **kw})
 
 
 def test_a_placement_threshold_reaches_the_agents_decide(tmp_path: Path) -> None:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from flatcake.loadgen.models import preset
-from flatcake.loadgen.simulate.run import GiB, MiB, SimConfig, simulate
+from flatcake.loadgen.simulate.run import GiB, MiB, simulate
 from flatcake.loadgen.simulate.systems import FlatCake, Tiered
 from flatcake.loadgen.traces.formats import TraceRequest, write_trace
 from flatcake.node_agent import Medium, PlacementConfig, ScopeTable, decide
+from tests.support.sims import small
 
 pytestmark = pytest.mark.unit
 
@@ -31,12 +31,6 @@ def sessions_trace(path: Path, sessions: int = 6, turns: int = 4, blocks_per_tur
             t += 1000.0
     write_trace(path, reqs)
     return str(path)
-
-
-def small(trace: str, **kw: Any) -> SimConfig:
-    base = SimConfig(trace=trace, gpus_per_node=8, hbm_bytes=256 * MiB, dram_bytes=64 * GiB, ssd_bytes=512 * GiB,
-                     qps=(1.0,), workers=1)  # fmt: skip
-    return dataclasses.replace(base, **kw)
 
 
 def test_flatcake_places_by_the_real_decide(tmp_path: Path) -> None:
