@@ -105,14 +105,13 @@ def quantity(field: str, value: Any) -> Decimal:
 def check_resources(field: str, resources: Resources) -> None:
     """Every quantity parses (so a typo is named here, not by the API server refusing the DaemonSet)
     and every request is at most its limit."""
-    for part in ("requests", "limits"):
-        for name, value in resources.get(part, {}).items():
-            quantity(f"{field}.{part}.{name}", value)
-    for name, request in resources.get("requests", {}).items():
-        limit = resources.get("limits", {}).get(name)
-        if limit is not None and quantity("", request) > quantity("", limit):
-            raise SpecError(f"{field}.requests.{name}", f"{request} exceeds its limit {limit}; lower the request "
-                            "or raise the limit")  # fmt: skip
+    parsed = {part: {name: quantity(f"{field}.{part}.{name}", value) for name, value in resources.get(part, {}).items()}
+              for part in ("requests", "limits")}  # fmt: skip
+    for name, request in parsed["requests"].items():
+        limit = parsed["limits"].get(name)
+        if limit is not None and request > limit:
+            raise SpecError(f"{field}.requests.{name}", f"{resources['requests'][name]} exceeds its limit "
+                            f"{resources['limits'][name]}; lower the request or raise the limit")  # fmt: skip
 
 
 def _check_host_path(field: str, path: str) -> None:

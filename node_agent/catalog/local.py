@@ -165,7 +165,7 @@ class LocalCatalog:
                     self.journal.append(
                         publish_record(
                             res.scope,
-                            res.digests if res.digests is not None else key_digests(res.keys),
+                            res.digests,
                             res.gva,
                             res.stride,
                             res.slots,

@@ -83,13 +83,13 @@ class Reservation:
     scope: Scope
     decision: Decision
     new_scope: bool
+    digests: Digests  # of ``keys``
     segments: list[Segment] = field(default_factory=list)  # SSD
     extents: list[Extent] = field(default_factory=list)  # SSD: each touched extent, through its last segment
     slots: list[int] = field(default_factory=list)  # DRAM
     # Each page's GVA and layer stride, in ``keys`` order (columns: the index takes them as they are).
     gva: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, np.uint64))
     stride: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
-    digests: Digests | None = None  # of ``keys``, once hashed
 
 
 class Victim(NamedTuple):
@@ -252,19 +252,20 @@ class ScopeTable:
             if scope is not None:
                 decision = Decision(scope.medium, Reason.INHERITED)
             if decision.medium is Medium.DRAM:
-                res = self._reserve_dram(keys, scope, decision)
+                res = self._reserve_dram(keys, digests, scope, decision)
                 if res is None:
                     decision, scope = overflow(decision), None
             if decision.medium is Medium.SSD:
-                res = self._reserve_ssd(keys, scope, decision)
+                res = self._reserve_ssd(keys, digests, scope, decision)
             assert res is not None
-            res.digests = digests
             res.scope.pins += 1
             res.scope.last_used = next(self._clock)
             self._pending.update(keys)
             return res
 
-    def _reserve_dram(self, keys: list[Key], scope: Scope | None, decision: Decision) -> Reservation | None:
+    def _reserve_dram(
+        self, keys: list[Key], digests: Digests, scope: Scope | None, decision: Decision
+    ) -> Reservation | None:
         n = len(keys)
         if n > self.dram.slots - (len(scope.slots) if scope else 0):
             return None  # can never fit: overflow to SSD without evicting anything first
@@ -278,11 +279,12 @@ class ScopeTable:
         slots = self.dram.alloc(n)
         scope.slots.extend(slots)
         base = G.encode(Medium.DRAM, self.node_id, 0)
+        G.encode(Medium.DRAM, self.node_id, (max(slots) + 1) * self.page_span - 1)  # the last page fits the GVA
         gva = np.asarray(slots, np.uint64) * np.uint64(self.page_span) + np.uint64(base)
         stride = np.full(n, self.page_bytes, np.int64)
-        return Reservation(list(keys), scope, decision, new, slots=slots, gva=gva, stride=stride)
+        return Reservation(list(keys), scope, decision, new, digests, slots=slots, gva=gva, stride=stride)
 
-    def _reserve_ssd(self, keys: list[Key], scope: Scope | None, decision: Decision) -> Reservation:
+    def _reserve_ssd(self, keys: list[Key], digests: Digests, scope: Scope | None, decision: Decision) -> Reservation:
         span = self.page_span
         n = len(keys)
         need = n * span
@@ -302,7 +304,7 @@ class ScopeTable:
         new = scope is None
         if scope is None:
             scope = self._new_scope(Medium.SSD)
-        res = Reservation(list(keys), scope, decision, new)
+        res = Reservation(list(keys), scope, decision, new, digests)
         page = 0
         while page < n:
             at, ext, count = self._place(scope, n - page)
@@ -357,7 +359,7 @@ class ScopeTable:
     def publish(self, res: Reservation, checksums: Sequence[int] | None = None) -> None:
         """Make the written pages visible; from here on readers find them."""
         with self.lock:
-            d = res.digests if res.digests is not None else key_digests(res.keys)
+            d = res.digests
             n = len(res.keys)
             crc = np.zeros(n, np.int64) if checksums is None else np.asarray(checksums, np.int64)
             self.index.put(d, res.scope.id, res.gva, res.stride, crc)
