@@ -8,9 +8,9 @@ A tour in twenty lines:
 - ``Engine(config)`` stores and restores KV pages in one process: ``put(keys, kv, Hints(...))`` writes
   ``[layers][pages][page_bytes]`` uint8 pages, each placed once on DRAM or SSD by its reuse scope
   (``Hints``: turn, context, reply lengths, prefix refcount, parent key); ``exists(keys)`` gives the
-  stored prefix length; ``get(keys, dest)`` returns a ``Restore`` that yields layers as they land
-  (use it as a context manager, or call ``run()``), reading SSD pages as sorted, merged, layer-major
-  ranges through a bounded staging window.
+  stored prefix length; ``get(keys, dest)`` returns a restore that yields layers as they land (use it
+  as a context manager, or call ``run()``): SSD pages read as sorted, merged ranges straight into host
+  memory (``HostRestore``), or streamed through a bounded staging window into GPU memory (``Restore``).
 - ``connect(socket)`` is the same ``Engine`` whose catalog is the node agent: many processes on a node
   share one index and one allocator, and move the bytes themselves. ``spawn`` starts an agent process.
 - ``Scheduler`` orders requests by the slowest medium they need (FC-MAS); ``needs_ssd`` is its test.
@@ -21,7 +21,8 @@ A tour in twenty lines:
 - Errors: every failure is a ``FlatCakeError``: ``ConfigError``, ``ProtocolError``, ``CapacityError``
   (``PoolFullError``), ``NotFoundError`` (``UnknownKeyError``), ``StorageIOError``
   (``StorageWriteError``), ``FencedError``, ``PrepareError``.
-- ``aligned_empty`` makes 4 KiB-aligned host buffers (O_DIRECT and GDS need them).
+- ``aligned_empty`` makes 4 KiB-aligned host buffers (O_DIRECT and GDS need them); ``ThreadBuffers`` reuses
+  one pre-faulted buffer per thread (restore destinations).
 
 Inside, the folders are the layers (imports point downward only; import-linter checks it):
 ``policy`` (pure decisions) < ``catalog`` (index, journal, recovery) < ``datapath`` (pools, I/O,
@@ -55,9 +56,10 @@ from flatcake.node_agent.config import (
     SchedulerConfig,
     SsdConfig,
 )
-from flatcake.node_agent.datapath.buffers import aligned_empty, round_up
+from flatcake.node_agent.datapath.buffers import ThreadBuffers, aligned_empty, round_up
 from flatcake.node_agent.datapath.engine import Engine, PutResult, local_table
 from flatcake.node_agent.datapath.file_pool import create_pool, open_direct
+from flatcake.node_agent.datapath.host_restore import HostRestore
 from flatcake.node_agent.datapath.io_backends import IOBackend, PosixDirectIO
 from flatcake.node_agent.datapath.restore import Restore
 from flatcake.node_agent.policy.coalesce import plan_restore
@@ -82,6 +84,7 @@ __all__ = [
     "FencedError",
     "FlatCakeError",
     "Hints",
+    "HostRestore",
     "IOBackend",
     "IOConfig",
     "Key",
@@ -106,6 +109,7 @@ __all__ = [
     "SsdConfig",
     "StorageIOError",
     "StorageWriteError",
+    "ThreadBuffers",
     "UnknownHandleError",
     "UnknownKeyError",
     "aligned_empty",

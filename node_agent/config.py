@@ -82,6 +82,12 @@ class IOConfig:
     # kvikio's thread pool (num_threads); 0: streams x staging_layers x workers, every read a restore can have in
     # flight, so the device queue stays full (kvikio's own default is 1 thread: one read at a time)
     kvikio_threads: int = 0
+    # Host restores (numpy destinations, SGLang's host pool): one read queue per process with this many
+    # threads (preadv releases the GIL), commands up to command_bytes (a segment's layers back to back),
+    # and at most restore_inflight_bytes of one restore in flight while another waits (fairness).
+    read_threads: int = 4
+    command_bytes: int = 16 * MiB
+    restore_inflight_bytes: int = 64 * MiB
 
     def kvikio_pool(self) -> int:
         """kvikio's ``num_threads``: as given, or one per read a restore can have in flight."""
@@ -187,7 +193,19 @@ class EngineConfig:
         if not self.dram.name or "/" in self.dram.name or self.dram.name in (".", ".."):
             raise ConfigError(f"dram.name: {self.dram.name!r} must be a plain file name (no '/', not '.' or '..'); "
                               "the pool file is created inside dram.shm_dir or the hugetlbfs mount")  # fmt: skip
-        _positive(self.io, "workers", "staging_layers", "streams", prefix="io.")
+        _positive(self.io, "workers", "staging_layers", "streams", "read_threads", prefix="io.")
+        if self.io.read_threads > 256:
+            raise ConfigError(f"io.read_threads: {self.io.read_threads} must be 1 to 256")
+        if self.io.command_bytes % ALIGN or self.io.command_bytes < self.page_bytes:
+            raise ConfigError(
+                f"io.command_bytes: {self.io.command_bytes} must be a multiple of {ALIGN} and at least "
+                f"page_bytes ({self.page_bytes}); the default is {16 * MiB}"
+            )
+        if self.io.restore_inflight_bytes < self.io.command_bytes:
+            raise ConfigError(
+                f"io.restore_inflight_bytes: {self.io.restore_inflight_bytes} must be at least io.command_bytes "
+                f"({self.io.command_bytes}), or a restore could not have one command in flight"
+            )
         if self.io.gap_bytes < 0:
             raise ConfigError(f"io.gap_bytes: {self.io.gap_bytes} must be >= 0")
         if not 0 <= self.io.kvikio_threads <= 1024:

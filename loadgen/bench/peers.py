@@ -67,7 +67,7 @@ class PeersConfig:
     repeats: int = 3
     systems: tuple[str, ...] = PEERS
     dram_fraction: float = 0.25
-    workers: int = 2
+    workers: int = 4  # reads in flight, for every system and fio alike
 
     def geometry(self) -> ModelPreset:
         given = (self.layers, self.page_layer_bytes, self.page_tokens)

@@ -75,7 +75,7 @@ class Workload:
 @dataclass(frozen=True)
 class BenchConfig:
     workload: Workload = field(default_factory=Workload)
-    workers: int = 2
+    workers: int = 4  # reads in flight, for every system and fio alike
     gap_bytes: int = 64 * 1024
     staging_layers: int = 2
     staging_slot_bytes: int = 8 * MiB
@@ -218,6 +218,7 @@ def run(
                 if isinstance(system, FlatCakeSystem):
                     limit = fio.result()
                     extra["segments"] = system.segments()
+                    extra["host_paths"] = host_paths(system, w, dest, quiet)
                     if sweep == "gap":
                         extra["gap_sweep"] = gap_sweep(system, w, dest, quiet)
             finally:
@@ -235,6 +236,7 @@ def run(
         "systems": results,
         "ratios": ratios(results, limit, extra["segments"], w.layers),
     }
+    report["host_paths"] = extra["host_paths"]
     if "gap_sweep" in extra:
         report["gap_sweep"] = extra["gap_sweep"]
     if sweep == "context":
@@ -251,6 +253,35 @@ def ratios(results: dict[str, dict[str, Any]], limit: dict[str, Any], segments: 
         "flatcake_vs_per_block": fc["read_bytes_per_s"] / results["per_block"]["read_bytes_per_s"],
         "commands_per_segment_layer": fc["read_commands"] / (segments * layers),
         "read_amplification": fc["bytes_read"] / fc["bytes_requested"],
+    }
+
+
+def host_paths(system: FlatCakeSystem, w: Workload, dest: Array, quiet: bool, rounds: int = 3) -> dict[str, Any]:
+    """The same restores read in place (a 4 KiB-aligned destination) and staged (rows 512 bytes off: read
+    into the threads' scratch, then copied), alternated ``rounds`` times. Staged is also what every restore
+    would be without the per-page-layer padding (docs/architecture.md): its rate per stored byte bounds an
+    unpadded layout's rate per useful byte, to compare with in-place reads' ``raw / padded`` share."""
+    raw = aligned_empty(dest.nbytes + 512)
+    staged = raw[512:].reshape(dest.shape)
+    staged.fill(0)
+    seconds = {"direct": 0.0, "staged": 0.0}
+    requested = 0
+    for _ in range(rounds):
+        for path, target in (("direct", dest), ("staged", staged)):
+            system.prepare()
+            out = restore_all(system, w, target, quiet)
+            seconds[path] += out["restore_seconds"]
+            requested = out["bytes_requested"]
+    rate = {k: requested * rounds / v for k, v in seconds.items()}
+    useful = PRESET.raw_page_layer_bytes / PRESET.page_layer_bytes if w.page_bytes == PRESET.page_layer_bytes else 1.0
+    return {
+        "rounds": rounds,
+        "direct_bytes_per_s": rate["direct"],
+        "staged_bytes_per_s": rate["staged"],
+        "direct_vs_staged": rate["direct"] / rate["staged"],
+        "useful_fraction_padded": useful,
+        # In-place reads of padded rows, per useful byte, against the best an unpadded (staged) layout could do.
+        "padded_direct_vs_unpadded_staged": rate["direct"] * useful / rate["staged"],
     }
 
 
@@ -323,6 +354,10 @@ def format_table(report: dict[str, Any]) -> str:
         )
     lines.append("")
     lines.extend(f"{k:<28} {v:.3f}" for k, v in report["ratios"].items())
+    hp = report["host_paths"]
+    lines += ["", f"host paths ({hp['rounds']} alternations): in place {hp['direct_bytes_per_s'] / 1e9:.3f} GB/s, "
+              f"staged {hp['staged_bytes_per_s'] / 1e9:.3f} GB/s ({hp['direct_vs_staged']:.2f}x); per useful byte, "
+              f"padded in place / unpadded staged = {hp['padded_direct_vs_unpadded_staged']:.2f}"]  # fmt: skip
     if "gap_sweep" in report:
         lines += ["", f"{'Δgap':>8} {'commands':>9} {'read amp':>9} {'GB/s':>7}"]
         lines += [

@@ -64,6 +64,7 @@ from flatcake.node_agent import (
     Request,
     Scheduler,
     SsdConfig,
+    ThreadBuffers,
     aligned_empty,
 )
 from flatcake.node_agent.constants import SCHEDULER_POLICIES
@@ -190,6 +191,7 @@ class Storage:
         chunk = max(1, min(64, (64 * MiB) // cfg.page_span))
         self._kv = aligned_empty((cfg.layers, chunk, cfg.page_bytes))
         self._kv[...] = np.random.default_rng(0).integers(0, 256, size=self._kv.shape, dtype=np.uint8)
+        self._dests = ThreadBuffers()  # restores land in a reused host buffer, as in a serving engine's pool
         if cfg.mode == "flatcake":
             if cfg.agent_socket:
                 from flatcake.node_agent import connect
@@ -222,7 +224,7 @@ class Storage:
         ``promote``: the tiered host tier keeps what was read from SSD (a finished SGLang prefetch)."""
         if not keys:
             return 0
-        dest = np.empty((self.cfg.layers, len(keys), self.cfg.page_bytes), np.uint8)
+        dest = self._dests.get((self.cfg.layers, len(keys), self.cfg.page_bytes))
         if self.engine is not None:
             try:
                 with self.engine.get(keys, dest) as restore:
@@ -353,7 +355,7 @@ class Emulator:
         if engine is not None:  # FlatCake: what its bounded restore windows hold, read at scrape time
             gauge = m["flatcake_staging_bytes"]
             assert isinstance(gauge, Gauge)
-            gauge.labels(cfg.mode).set_function(lambda: engine.windows.in_use_bytes)
+            gauge.labels(cfg.mode).set_function(lambda: engine.staging_bytes)
         for medium in ("hbm", "dram", "ssd"):
             m["flatcake_hit_tokens"].labels(cfg.mode, medium)
         for medium in ("dram", "ssd"):

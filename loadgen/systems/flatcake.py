@@ -42,6 +42,7 @@ def engine_config(spec: SystemSpec, pool_dir: Path, dram: DramConfig, streams: i
         io=IOConfig(
             backend="posix",
             workers=spec.workers,
+            read_threads=spec.workers,
             gap_bytes=spec.gap_bytes,
             staging_layers=spec.staging_layers,
             staging_slot_bytes=spec.staging_slot_bytes,

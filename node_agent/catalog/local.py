@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -73,14 +72,6 @@ class Catalog(Protocol):
     def acquire(self, keys: Sequence[Key]) -> Lease: ...
     def release(self, lease_id: int) -> None: ...
     def close(self) -> None: ...
-
-
-def page_checksum(pages: Any, j: int) -> int:
-    """crc32 of page ``j`` of a ``[layers][pages][page_bytes]`` buffer, layer 0 first."""
-    crc = 0
-    for layer in range(pages.shape[0]):
-        crc = zlib.crc32(pages[layer, j], crc)
-    return crc
 
 
 class LocalCatalog:

@@ -13,13 +13,13 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flatcake.node_agent.catalog.checksum import crc32
 from flatcake.node_agent.catalog.journal import ReplayReport, replay
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.config import EngineConfig
@@ -249,14 +249,14 @@ def page_crc_reader(
         if medium is Medium.DRAM:
             for layer in range(c.layers):
                 at = offset + layer * loc.layer_stride
-                crc = zlib.crc32(dram[at : at + c.page_bytes].data, crc)
+                crc = crc32(dram[at : at + c.page_bytes].data, crc)
             return crc
         file, at = divmod(offset, c.ssd.file_bytes)
         fd = fds.get(file)
         if fd is None:  # one descriptor per file for the reader's life: pread is positional, thread-safe
             fd = fds.setdefault(file, os.open(pool_files[file], os.O_RDONLY))
         for layer in range(c.layers):
-            crc = zlib.crc32(os.pread(fd, c.page_bytes, at + layer * loc.layer_stride), crc)
+            crc = crc32(os.pread(fd, c.page_bytes, at + layer * loc.layer_stride), crc)
         return crc
 
     return crc_of

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,29 +23,22 @@ import numpy.typing as npt
 
 from flatcake.errors import FencedError, FlatCakeError, PoolFullError, StorageWriteError, UnknownKeyError
 from flatcake.node_agent.catalog import epoch as E
-from flatcake.node_agent.catalog.local import Allocation, Catalog, LocalCatalog, page_checksum
+from flatcake.node_agent.catalog.checksum import page_checksum
+from flatcake.node_agent.catalog.local import Allocation, Catalog, LocalCatalog
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.constants import ALIGN
 from flatcake.node_agent.datapath import gpu
 from flatcake.node_agent.datapath.buffers import aligned_empty, is_aligned
 from flatcake.node_agent.datapath.dram_pool import DramPool
 from flatcake.node_agent.datapath.file_pool import PoolManifest, create_pool
+from flatcake.node_agent.datapath.host_restore import Check, HostRestore, direct_ok
 from flatcake.node_agent.datapath.io_backends import IOBackend, PosixDirectIO, select_backend
-from flatcake.node_agent.datapath.restore import (
-    Restore,
-    Scatter,
-    StagedVerifier,
-    StreamOrder,
-    Verifier,
-    WindowPool,
-    cupy_scatter,
-    numpy_scatter,
-    paged_scatter,
-)
+from flatcake.node_agent.datapath.read_queue import ReadQueue
+from flatcake.node_agent.datapath.restore import Restore, StagedVerifier, StreamOrder, WindowPool, cupy_scatter
 from flatcake.node_agent.datapath.stats import Stats
-from flatcake.node_agent.datapath.target import PagedTarget
+from flatcake.node_agent.datapath.target import PagedTarget, host_target
 from flatcake.node_agent.policy import gva as G
-from flatcake.node_agent.policy.coalesce import plan_restore
+from flatcake.node_agent.policy.coalesce import plan_host, plan_restore
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Hints, Key
 from flatcake.node_agent.policy.scopes import ScopeTable
@@ -73,6 +67,26 @@ def local_table(c: EngineConfig) -> ScopeTable:
         high_watermark=c.ssd.high_watermark,
         low_watermark=c.ssd.low_watermark,
     )
+
+
+Ints = npt.NDArray[np.int64]
+
+
+class _Located:
+    """A lease's locations as arrays: which pages are on SSD (where) and which in DRAM (which slot)."""
+
+    def __init__(self, c: EngineConfig, locs: Sequence[Any], dst: Ints) -> None:
+        gvas = np.fromiter((loc.gva for loc in locs), dtype=np.uint64, count=len(locs))
+        strides = np.fromiter((loc.layer_stride for loc in locs), dtype=np.int64, count=len(locs))
+        self.dst = dst
+        self.on_ssd = gvas >= np.uint64(G.SSD_THRESHOLD)  # the medium is the top field: one compare
+        self.offsets = (gvas & np.uint64(G.MAX_OFFSET)).astype(np.int64)
+        self.ssd = np.flatnonzero(self.on_ssd)  # plans index pages of this subset
+        self.file, self.base = np.divmod(self.offsets[self.ssd], c.ssd.file_bytes)
+        self.ssd_stride = strides[self.ssd]
+        self.ssd_dest = dst[self.ssd]
+        self.dram_src = self.offsets[~self.on_ssd] // (c.layers * c.page_bytes)
+        self.dram_dst = dst[~self.on_ssd]
 
 
 def _runs(slots: npt.NDArray[np.int64], also: npt.NDArray[np.int64] | None = None) -> list[tuple[int, int]]:
@@ -143,7 +157,8 @@ class Engine:
         # Whether a restore runs on the GPU is decided per call from its destination (``_on_gpu``), never
         # from the backend's name: a numpy destination on a kvikio node takes the host path. The GPU
         # path needs kvikio (reads land in device staging windows, a kernel scatters them).
-        self.windows = WindowPool(c.io.streams, c.io.staging_layers, c.io.staging_slot_bytes, self.stats)
+        self._reads: ReadQueue | None = None
+        self._reads_lock = threading.Lock()
         self._device_windows: WindowPool | None = None
 
     @property
@@ -254,16 +269,17 @@ class Engine:
             f"[layers][slots][page_bytes], got {type(dest).__name__}; for a CPU torch tensor pass tensor.numpy()"
         )
 
-    def get(self, keys: Sequence[Key], dest: Any, dest_pages: Sequence[int] | None = None) -> Restore:
+    def get(self, keys: Sequence[Key], dest: Any, dest_pages: Sequence[int] | None = None) -> HostRestore | Restore:
         """Restore ``keys`` into ``dest[layer, dest_pages[i]]``; iterate the result for layers in order.
 
         ``dest`` is ``[layers][slots][page_bytes]`` uint8, in host memory (numpy) or, with kvikio, device
         memory (see ``_on_gpu``), or a ``PagedTarget``: host memory in the caller's own layout, written
-        in place (no copy after the restore; checks, when on, run on the bytes as read). ``dest_pages``
-        (default ``0..n-1``) names the destination page of each key. Unknown keys are refused before any
-        I/O (ask ``exists`` first); pages that fail to read are reported in ``Restore.missing``.
+        in place. Host destinations are read into directly where their rows are O_DIRECT-aligned
+        (``HostRestore``); device memory streams through a bounded staging window (``Restore``).
+        ``dest_pages`` (default ``0..n-1``) names the destination page of each key. Unknown keys are
+        refused before any I/O (ask ``exists`` first); pages that fail to read or to match their checksum
+        are reported in ``missing``.
         """
-        c = self.config
         self._check_keys(keys, "keys")
         on_gpu = self._on_gpu(dest)
         if on_gpu and not gpu.is_device_array(dest):
@@ -272,80 +288,117 @@ class Engine:
         checker = self._check_target if paged else self._check_dest
         pages = checker(dest, len(keys), dest_pages)
         lease = self.catalog.acquire(keys)
-        locs = lease.locations
-        gvas = np.fromiter((loc.gva for loc in locs), dtype=np.uint64, count=len(locs))
-        strides = np.fromiter((loc.layer_stride for loc in locs), dtype=np.int64, count=len(locs))
-        on_ssd = gvas >= np.uint64(G.SSD_THRESHOLD)  # the medium is the top field: one compare
-        offsets = (gvas & np.uint64(G.MAX_OFFSET)).astype(np.int64)
-        dst = np.asarray(pages, dtype=np.int64)
-        ssd = np.flatnonzero(on_ssd)
-        file, base = np.divmod(offsets[ssd], c.ssd.file_bytes)
-        fills = plan_restore(file, base, strides[ssd], c.layers, c.page_bytes, self.gap_bytes, c.io.staging_slot_bytes)
-        # Plans index pages of the SSD subset; map them back to destination pages.
-        ssd_dest = dst[ssd]
-        dram_src = offsets[~on_ssd] // (c.layers * c.page_bytes)
-        dram_dst = dst[~on_ssd]
+        try:
+            at = _Located(self.config, lease.locations, np.asarray(pages, dtype=np.int64))
+            mode = "all" if lease.verify else self.config.io.verify_reads
+            want = np.asarray(lease.checksums, dtype=np.int64) if mode != "off" and lease.checksums else None
+            self.stats.add("restores")
+            self.stats.add("restore_pages_dram", len(at.dram_src))
+            self.stats.add("restore_pages_ssd", len(at.ssd))
+            release = lambda: self.catalog.release(lease.id)  # noqa: E731
+            if on_gpu:
+                return self._get_device(dest, at, want, mode, release)
+            return self._get_host(dest, at, want, mode, release)
+        except BaseException:
+            self.catalog.release(lease.id)
+            raise
 
+    def _get_host(
+        self, dest: Any, at: _Located, want: Ints | None, mode: str, release: Callable[[], None]
+    ) -> HostRestore:
+        c = self.config
+        target = dest if isinstance(dest, PagedTarget) else host_target(dest)
+        direct = direct_ok(target, at.ssd_dest, c.page_bytes, ALIGN)
+        # A staged command lands in its thread's scratch: bound it by the staging slot.
+        cap = c.io.command_bytes if direct else min(c.io.command_bytes, c.io.staging_slot_bytes)
+        plan = plan_host(at.file, at.base, at.ssd_stride, c.layers, c.page_bytes, self.gap_bytes, cap)
+        dram3, runs = self._dram3, _runs(at.dram_src)
+
+        def copy_dram(layer: int) -> None:  # one copy per run of consecutive pool slots
+            for a, b in runs:
+                s0 = int(at.dram_src[a])
+                target.write(layer, at.dram_dst[a:b], dram3[s0 : s0 + b - a, layer])
+
+        check = None
+        if want is not None:
+            ssd = np.flatnonzero(want[at.ssd] >= 0)
+            dram = np.flatnonzero(~at.on_ssd & (want >= 0)) if mode == "all" else np.zeros(0, np.int64)
+            slots = at.offsets[dram] // (c.layers * c.page_bytes)
+            if len(ssd) or len(dram):
+                check = Check(ssd, want[at.ssd][ssd], dram, slots, want[dram])
+        return HostRestore(
+            layers=c.layers,
+            plan=plan,
+            target=target,
+            direct=direct,
+            ssd_dest=at.ssd_dest,
+            request_index=at.ssd,
+            page_bytes=c.page_bytes,
+            stream=self.reads.stream(c.io.restore_inflight_bytes),
+            copy_dram=copy_dram,
+            stats=self.stats,
+            on_close=release,
+            check=check,
+            dram_rows=lambda slot: dram3[slot],
+        )
+
+    def _get_device(
+        self, dest: Any, at: _Located, want: Ints | None, mode: str, release: Callable[[], None]
+    ) -> Restore:
+        c = self.config
+        fills = plan_restore(at.file, at.base, at.ssd_stride, c.layers, c.page_bytes, self.gap_bytes,
+                             c.io.staging_slot_bytes)  # fmt: skip
         dram3 = self._dram3
-        runs = _runs(dram_src) if paged else []
-        # GPU: runs consecutive in both the pool and the destination, each one 2-D copy per layer.
-        pair_runs = _runs(dram_src, dram_dst) if on_gpu else []
+        # Runs consecutive in both the pool and the destination, each one 2-D copy per layer.
+        pair_runs = _runs(at.dram_src, at.dram_dst)
+        order = StreamOrder(gpu.cuda_api())
 
-        order = StreamOrder(gpu.cuda_api()) if on_gpu else None
+        def copy_dram(layer: int) -> None:  # straight from the pinned pool, on the restore's stream
+            row, base = c.page_bytes, gpu.device_ptr(dest) + layer * dest.shape[1] * c.page_bytes
+            for a, b in pair_runs:
+                src = int(dram3[int(at.dram_src[a]), layer].ctypes.data)
+                gpu.copy_rows_to_device(base + int(at.dram_dst[a]) * row, row, src, c.layers * row, row, b - a,
+                                        order.stream)  # fmt: skip
 
-        def copy_dram(layer: int) -> None:
-            if not len(dram_src):
-                return
-            if paged:  # runs of consecutive DRAM slots are strided views: pool -> caller's layout, one copy
-                for a, b in runs:
-                    s0 = int(dram_src[a])
-                    dest.write(layer, dram_dst[a:b], dram3[s0 : s0 + b - a, layer])
-                return
-            if order is not None:  # straight from the pinned pool, on the restore's stream
-                row, base = c.page_bytes, gpu.device_ptr(dest) + layer * dest.shape[1] * c.page_bytes
-                for a, b in pair_runs:
-                    src = int(dram3[int(dram_src[a]), layer].ctypes.data)
-                    gpu.copy_rows_to_device(base + int(dram_dst[a]) * row, row, src, c.layers * row, row, b - a,
-                                            order.stream)  # fmt: skip
-                return
-            dest[layer, dram_dst] = dram3[dram_src, layer]  # host to host
-
-        verify: Verifier | None = None
-        mode = "all" if lease.verify else c.io.verify_reads
-        if mode != "off" and lease.checksums and not on_gpu:
-            # GPU destinations are not verified here: checking them would copy every page back to the host.
-            want = np.asarray(lease.checksums, dtype=np.int64)
-            check = np.flatnonzero((on_ssd if mode == "ssd" else np.ones(len(locs), bool)) & (want >= 0))
-            if len(check) and paged:
-                dram = dict(zip(dram_dst.tolist(), dram_src.tolist(), strict=True))
-                verify = StagedVerifier(check, dst[check], want[check], c.page_bytes, c.layers, dram,
-                                        lambda slot, layer: dram3[slot, layer])  # fmt: skip
-            elif len(check):
-                verify = Verifier(dest, check, dst[check], want[check])
-        scatter: Scatter
-        if paged:
-            scatter = paged_scatter(dest, c.page_bytes)
-        elif order is not None:
-            scatter = cupy_scatter(dest, c.page_bytes, order.stream)
-        else:
-            scatter = numpy_scatter(dest, c.page_bytes)
-        self.stats.add("restores")
-        self.stats.add("restore_pages_dram", len(dram_src))
-        self.stats.add("restore_pages_ssd", len(locs) - len(dram_src))
+        verify = None
+        if want is not None:
+            # Checked on the staging copy, as read (each slot brought back to the host before its scatter);
+            # DRAM pages from the pinned pool.
+            check = np.flatnonzero((at.on_ssd if mode == "ssd" else np.ones(len(at.on_ssd), bool)) & (want >= 0))
+            if len(check):
+                dram = dict(zip(at.dram_dst.tolist(), at.dram_src.tolist(), strict=True))
+                verify = StagedVerifier(check, at.dst[check], want[check], c.page_bytes, c.layers, dram,
+                                        lambda slot, layer: dram3[slot, layer], to_host=gpu.to_host)  # fmt: skip
         return Restore(
             layers=c.layers,
             fills=fills,
-            dest_pages=ssd_dest,
-            request_index=ssd,
-            io=self.io if on_gpu else self.host_io,
-            windows=self._gpu_windows() if on_gpu else self.windows,
-            scatter=scatter,
+            dest_pages=at.ssd_dest,
+            request_index=at.ssd,
+            io=self.io,
+            windows=self._gpu_windows(),
+            scatter=cupy_scatter(dest, c.page_bytes, order.stream),
             copy_dram=copy_dram,
             stats=self.stats,
-            on_close=lambda: self.catalog.release(lease.id),
+            on_close=release,
             verify=verify,
             order=order,
         )
+
+    @property
+    def reads(self) -> ReadQueue:
+        """The read queue of host restores, made on the first one."""
+        if self._reads is None:
+            with self._reads_lock:
+                if self._reads is None:
+                    self._reads = ReadQueue(self._paths, self.config.io.read_threads)
+        return self._reads
+
+    @property
+    def staging_bytes(self) -> int:
+        """Staging memory held now: the read threads' scratch (host) and GPU windows in use."""
+        host = self._reads.scratch_bytes if self._reads is not None else 0
+        device = self._device_windows.in_use_bytes if self._device_windows is not None else 0
+        return host + device
 
     def _gpu_windows(self) -> WindowPool:
         """Device staging windows, made on the first GPU restore (kvikio reads land in device memory)."""
@@ -422,6 +475,8 @@ class Engine:
 
     def close(self) -> None:
         self.io.close()  # waits for in-flight reads, then deregisters the staging windows from cuFile
+        if self._reads is not None:
+            self._reads.close()
         if self._posix is not None:
             self._posix.close()
         del self._dram3

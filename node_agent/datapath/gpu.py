@@ -112,6 +112,16 @@ def as_device_array(x: Any) -> Any:
     return cupy.asarray(x)
 
 
+def to_host(x: Any) -> Any:
+    """A host copy of device array ``x`` (a host array as it is): where a GPU restore's staging bytes are
+    checked. The copy is synchronous on the current stream, after the read that filled ``x``."""
+    if not is_device_array(x):
+        return x
+    import cupy
+
+    return cupy.asnumpy(x)
+
+
 def device_ptr(x: Any) -> int:
     """The device address of a cupy array's first byte."""
     return int(x.data.ptr)

@@ -1,4 +1,5 @@
-"""FC-CIO restore execution: merged reads streamed through a bounded, double-buffered staging window.
+"""FC-CIO restore into device memory: merged reads streamed through a bounded, double-buffered staging window
+(host destinations read straight into place: ``host_restore``).
 
 A restore holds one window of ``staging_layers`` slots. Fills (the commands of one slot, one layer)
 are issued in layer order round-robin over the I/O workers; a slot is scattered into the destination
@@ -12,7 +13,6 @@ import contextlib
 import errno
 import threading
 import warnings
-import zlib
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from flatcake.node_agent.catalog.checksum import crc32
 from flatcake.node_agent.datapath.buffers import aligned_empty
 from flatcake.node_agent.datapath.io_backends import IOBackend
 from flatcake.node_agent.datapath.stats import Stats
-from flatcake.node_agent.datapath.target import PagedTarget
 from flatcake.node_agent.policy.coalesce import Fill
 
 # scatter(layer, slot, src, dst, count): run r copies count[r] pages from byte src[r] of the slot to
@@ -93,44 +93,15 @@ class WindowPool:
             return (self._made - len(self._free)) * self._slots * self._slot_bytes
 
 
-class Verifier:
-    """Checks restored pages against their published crc32, layer by layer as the layers land in the
-    destination (a page's checksum runs over its layers in order), so no second pass over the bytes."""
-
-    def __init__(self, dest: npt.NDArray[np.uint8], request_index: Ints, dest_pages: Ints, expected: Ints) -> None:
-        self._dest = dest
-        self._index = request_index.tolist()
-        self._pages = dest_pages.tolist()
-        self._expected = expected.tolist()
-        self._crc = [0] * len(self._index)
-
-    def staged(self, layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
-        """Bytes of a staging slot about to be scattered (see ``StagedVerifier``); checked after landing here."""
-
-    def layer(self, layer: int) -> None:
-        rows = self._dest[layer]
-        crc = self._crc
-        for k, page in enumerate(self._pages):
-            crc[k] = zlib.crc32(rows[page], crc[k])
-
-    def failed(self, missing: set[int]) -> set[int]:
-        """Request indexes whose bytes do not match (pages already missing are not judged)."""
-        return {
-            i
-            for i, got, want in zip(self._index, self._crc, self._expected, strict=True)
-            if got != want and i not in missing
-        }
-
-
-class StagedVerifier(Verifier):
-    """Checks pages as read, not as landed: for a ``PagedTarget``, which keeps no padding past ``raw_bytes``
-    (the published crc32 covers the whole ``page_bytes`` row). SSD pages are hashed from the staging slot
-    just before the scatter, DRAM pages from the DRAM pool (``dram_rows``). A page's layers must arrive in
-    layer order (fills come in layer order, a page's layers in file-offset order); one that does not is
-    failed rather than misjudged."""
+class StagedVerifier:
+    """Checks a GPU restore's pages as read: SSD pages from the staging slot just before its scatter (a
+    device slot is brought back to the host first, ``to_host``: one device-to-host copy of what was read),
+    DRAM pages from the DRAM pool (``dram_rows``). A page's layers must arrive in layer order (fills come in
+    layer order, a page's layers in file-offset order); one that does not is failed rather than misjudged."""
 
     def __init__(self, request_index: Ints, dest_pages: Ints, expected: Ints, page_bytes: int, layers: int,
-                 dram: dict[int, int], dram_rows: Callable[[int, int], Any]) -> None:  # fmt: skip
+                 dram: dict[int, int], dram_rows: Callable[[int, int], Any],
+                 to_host: Callable[[Any], Any] = lambda buf: buf) -> None:  # fmt: skip
         # ``dram``: dest page -> DRAM slot for the checked DRAM pages; ``dram_rows(slot, layer)`` its bytes.
         self._index = request_index.tolist()
         self._pages = dest_pages.tolist()
@@ -141,17 +112,21 @@ class StagedVerifier(Verifier):
         self._page_bytes, self._layers = page_bytes, layers
         self._dram = [(self._by_page[p], slot) for p, slot in dram.items() if p in self._by_page]
         self._dram_rows = dram_rows
+        self._to_host = to_host
         self._bad: set[int] = set()
 
     def _add(self, k: int, layer: int, row: Any) -> None:
         if self._next[k] != layer:
             self._bad.add(k)
             return
-        self._crc[k] = zlib.crc32(row, self._crc[k])
+        self._crc[k] = crc32(row, self._crc[k])
         self._next[k] = layer + 1
 
     def staged(self, layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
         pb = self._page_bytes
+        if not len(src):
+            return
+        buf = self._to_host(buf[: int((src + count * pb).max())])
         for s, d, n in zip(src.tolist(), dst.tolist(), count.tolist(), strict=True):
             for j in range(n):
                 k = self._by_page.get(d + j)
@@ -163,6 +138,7 @@ class StagedVerifier(Verifier):
             self._add(k, layer, self._dram_rows(slot, layer))
 
     def failed(self, missing: set[int]) -> set[int]:
+        """Request indexes whose bytes do not match (pages already missing are not judged)."""
         done = {k for k, n in enumerate(self._next) if n != self._layers} | self._bad
         return {i for k, (i, got, want) in enumerate(zip(self._index, self._crc, self._expected, strict=True))
                 if (got != want or k in done) and i not in missing}  # fmt: skip
@@ -227,7 +203,7 @@ class Restore(Iterator[int]):
         copy_dram: Callable[[int], None],
         stats: Stats,
         on_close: Callable[[], None],
-        verify: Verifier | None = None,
+        verify: StagedVerifier | None = None,
         order: StreamOrder | None = None,
     ) -> None:
         self.missing: set[int] = set()
@@ -378,26 +354,6 @@ class Restore(Iterator[int]):
             if self._verify is not None:
                 self._verify.staged(fill.layer + k, buf, src[first], dst[first], count)
             self._scatter(fill.layer + k, buf, src[first], dst[first], count)
-
-
-def numpy_scatter(dest: npt.NDArray[np.uint8], page_bytes: int) -> Scatter:
-    """Scatter on the CPU: each run is one contiguous copy into ``dest[layer, first:first+n]``."""
-
-    def scatter(layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
-        for s, d, n in zip(src.tolist(), dst.tolist(), count.tolist(), strict=True):
-            dest[layer, d : d + n] = buf[s : s + n * page_bytes].reshape(n, page_bytes)
-
-    return scatter
-
-
-def paged_scatter(target: PagedTarget, page_bytes: int) -> Scatter:
-    """Scatter on the CPU straight into a ``PagedTarget`` (the caller's layout): one row gather per run."""
-
-    def scatter(layer: int, buf: Any, src: Ints, dst: Ints, count: Ints) -> None:
-        for s, d, n in zip(src.tolist(), dst.tolist(), count.tolist(), strict=True):
-            target.write(layer, np.arange(d, d + n), buf[s : s + n * page_bytes].reshape(n, page_bytes))
-
-    return scatter
 
 
 def cupy_scatter(dest: Any, page_bytes: int, stream: Any = None) -> Scatter:

@@ -112,3 +112,11 @@ class PagedTarget:
         limits = None if self.limits is None else self.limits[:n]
         return PagedTarget(self.memory, self.layers, self.page_offsets[:n], self.layer_stride, self.piece_offsets,
                            self.piece_bytes, limits)  # fmt: skip
+
+
+def host_target(dest: npt.NDArray[np.uint8]) -> PagedTarget:
+    """The engine's own ``[layers][slots][page_bytes]`` destination as a target: page ``p`` of layer ``l``
+    is the row at ``(l * slots + p) * page_bytes``."""
+    layers, slots, page_bytes = dest.shape
+    return PagedTarget(dest.reshape(-1), layers, np.arange(slots, dtype=np.int64) * page_bytes, slots * page_bytes,
+                       [0], page_bytes)  # fmt: skip

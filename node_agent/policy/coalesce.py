@@ -208,3 +208,47 @@ def plan_restore(
         cmds = coalesce(group_file, offset, length, gap, slot_bytes)
         fills.extend(Fill(first, cmds, lo, hi, end - 1, n) for lo, hi in pack(cmds.length, slot_bytes))
     return fills
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """A restore planned for reads straight into host memory: ``commands`` in issue order, and for each
+    command the lowest layer it holds a piece of (``first_layer``, non-decreasing). Piece index
+    ``k * pages + i`` is page ``i`` of layer ``k``. Layer ``l`` is whole once every command whose
+    ``first_layer <= l`` has landed."""
+
+    commands: Commands
+    first_layer: Ints
+    pages: int
+
+
+def plan_host(file: Ints, base: Ints, stride: Ints, layers: int, page_bytes: int, gap: int, max_bytes: int) -> HostPlan:
+    """The restore's page-layers merged as far as the layout allows. No staging slot bounds a command here
+    (the bytes land in the destination), so a segment's layers, back to back on disk, are one command up
+    to ``max_bytes``. Layer 0 is planned alone, so it lands after one command per segment instead of with
+    the whole restore; commands are issued in order of their first layer."""
+    n = len(file)
+    f, b, s = _ints(file), _ints(base), _ints(stride)
+    layer = np.repeat(np.arange(layers, dtype=np.int64), n)
+    offset = np.tile(b, layers) + layer * np.tile(s, layers)
+    # Layer 0 and the rest never share a command: a coalescing key of (file, layer > 0).
+    key = np.tile(f, layers) * 2 + (layer > 0)
+    cmds = coalesce(key, offset, np.full(n * layers, page_bytes, np.int64), gap, max_bytes)
+    if not len(cmds):
+        return HostPlan(cmds, np.zeros(0, np.int64), n)
+    first = np.minimum.reduceat(cmds.piece_index // max(n, 1), cmds.piece_ptr[:-1])
+    order = np.argsort(first, kind="stable")
+    counts = np.diff(cmds.piece_ptr)[order]
+    ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    # Piece positions of the reordered commands: each command's run of pieces, in the new order.
+    take = np.repeat(cmds.piece_ptr[:-1][order] - ptr[:-1], counts) + np.arange(int(ptr[-1]), dtype=np.int64)
+    reordered = Commands(
+        file=cmds.file[order] // 2,
+        offset=cmds.offset[order],
+        length=cmds.length[order],
+        piece_ptr=ptr,
+        piece_index=cmds.piece_index[take],
+        piece_start=cmds.piece_start[take],
+        piece_length=cmds.piece_length[take],
+    )
+    return HostPlan(reordered, first[order], n)

@@ -521,6 +521,12 @@ class Pages:
         self._d[self._n : self._n + k, 0], self._d[self._n : self._n + k, 1] = d
         self._n += k
 
+    def last(self) -> tuple[int, int] | None:
+        """The digest of the page published last (the scope's tail), or None when empty."""
+        if not self._n:
+            return None
+        return int(self._d[self._n - 1, 0]), int(self._d[self._n - 1, 1])
+
     def index(self, h1: int, h2: int) -> int:
         """Position of a digest, or -1."""
         d = self._d[: self._n]

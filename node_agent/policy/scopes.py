@@ -65,6 +65,12 @@ class Scope:
         return sum(e.length for e in self.extents) if self.medium is Medium.SSD else len(self.slots)
 
 
+def _continues(scope: Scope, parent: Key) -> bool:
+    """Whether ``parent`` is ``scope``'s last published page: new pages after it extend the run."""
+    h1, h2 = key_digests([parent])
+    return scope.keys.last() == (int(h1[0]), int(h2[0]))
+
+
 @dataclass(frozen=True)
 class Segment:
     """One layer-major segment: ``pages`` consecutive pages of the run, starting at ``first_page``."""
@@ -249,6 +255,11 @@ class ScopeTable:
                     raise ValueError(f"keys: {dup[:3]!r} already stored or being written")
             loc = self.lookup(parent) if parent is not None else None
             scope = self.scopes.get(loc.scope) if loc is not None else None
+            if scope is not None and parent is not None and not _continues(scope, parent):
+                # The parent lies inside another run (a shared prompt stored by another session): these
+                # pages do not continue that scope, so they get one of their own, placed by their hints.
+                # Joining would scatter every later reader's pages across the other session's segment.
+                scope = None
             if scope is not None:
                 decision = Decision(scope.medium, Reason.INHERITED)
             if decision.medium is Medium.DRAM:

@@ -289,7 +289,7 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         """Restore the stored prefix of ``names`` (default: the KV names of ``keys``) into a fresh
         ``[layers][entries][page_bytes]`` buffer; ok[i] says whether entry i's bytes arrived."""
         names = self._keys(keys) if names is None else names
-        dest = np.empty((self.layers, max(len(names), 1), self.page_bytes), np.uint8)
+        dest = aligned_empty((self.layers, max(len(names), 1), self.page_bytes))  # aligned: read in place
         return dest, self._restore(names, lambda hit: dest)
 
     def _restore(self, names: list[str], dest_for: Any) -> list[bool]:

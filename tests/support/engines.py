@@ -81,3 +81,34 @@ class FaultyIO:
 
     def close(self) -> None:
         self.inner.close()
+
+
+class FaultyReads:
+    """Injects faults into an engine's host restores (its ``ReadQueue``): ``rule("read", file, offset,
+    length)`` as for ``FaultyIO``. A context manager; the queue reads normally again afterwards."""
+
+    def __init__(self, engine: Any, rule: Callable[[str, int, int, int], str | None]) -> None:
+        self.queue, self.rule = engine.reads, rule
+        self.inner = self.queue.readv
+
+    def readv(self, file: int, offset: int, iovecs: list[memoryview]) -> int:
+        length = sum(len(v) for v in iovecs)
+        fault = self.rule("read", file, offset, length)
+        if fault is None:
+            return int(self.inner(file, offset, iovecs))
+        if fault == "short":  # the first half (whole 4 KiB blocks) lands, then the file "ends"
+            half, out = (length // 2) // 4096 * 4096, []
+            for v in iovecs:
+                if half <= 0:
+                    break
+                out.append(v[:half])
+                half -= len(out[-1])
+            return int(self.inner(file, offset, out)) if out else 0
+        raise OSError(5, "Input/output error (injected)")
+
+    def __enter__(self) -> FaultyReads:
+        self.queue.readv = self.readv
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.queue.readv = self.inner

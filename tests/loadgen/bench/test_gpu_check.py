@@ -88,7 +88,7 @@ def test_dry_run_prints_the_plan_and_rehearses_it_on_the_cpu(tmp_path: Path) -> 
     pages = report["plan"]["pages"]
     assert ssd["served_from"] == {"ssd": pages, "dram": 0} and dram["served_from"] == {"dram": pages, "ssd": 0}
     assert ssd["pages_bad_checksum"] == dram["pages_bad_checksum"] == 0
-    assert 0 < ssd["staging_peak_bytes"] <= 2 * report["plan"]["staging_slot_bytes"]
+    assert ssd["staging_peak_bytes"] == 0  # the CPU rehearsal reads into host memory in place: nothing staged
     assert 0 < report["time_to_first_layer_s"] < ssd["seconds"]
     assert report["restore_vs_raw"] == pytest.approx(report["restore_gb_per_s"] / report["raw_read_gb_per_s"], rel=0.01)
     assert not (tmp_path / "scratch").exists()  # scratch removed

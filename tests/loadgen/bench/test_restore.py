@@ -25,14 +25,17 @@ def test_run_measures_every_system_and_derives_ratios(tmp_path: Path) -> None:
         assert s["bytes_requested"] == pages * TINY.layers * TINY.page_bytes
         assert s["pages_missing"] == 0 and s["read_bytes_per_s"] > 0
     fc, tiered = report["systems"]["flatcake"], report["systems"]["tiered"]
-    # One command per segment-layer (each turn is one segment) and nothing read twice.
-    assert fc["read_commands"] == TINY.sessions * TINY.turns * TINY.layers
-    assert report["ratios"]["commands_per_segment_layer"] == 1.0
+    # Two commands per segment (each turn is one): layer 0 alone, then its other layers back to back;
+    # nothing read twice.
+    assert fc["read_commands"] == 2 * TINY.sessions * TINY.turns
+    assert report["ratios"]["commands_per_segment_layer"] == 2 / TINY.layers
     assert report["ratios"]["read_amplification"] == 1.0
     assert tiered["read_commands"] == pages  # whole pages, one command each
     assert report["systems"]["tiered_naive"]["read_commands"] == pages * TINY.layers  # page-layer by page-layer
     assert tiered["staging_peak_bytes"] == TINY.turns * TINY.pages_per_turn * TINY.layers * TINY.page_bytes
-    assert fc["staging_peak_bytes"] <= 2 * 64 * 1024
+    assert fc["staging_peak_bytes"] == 0  # read in place: the destination is aligned
+    hp = report["host_paths"]  # the same restores, in place and staged, alternated
+    assert hp["direct_bytes_per_s"] > 0 and hp["staged_bytes_per_s"] > 0
     assert report["limit"]["tool"] == "fio" and report["limit"]["read_bytes_per_s"] > 0
     ratio = report["ratios"]["flatcake_vs_tiered"]
     assert ratio == pytest.approx(fc["read_bytes_per_s"] / tiered["read_bytes_per_s"])
@@ -44,7 +47,7 @@ def test_run_measures_every_system_and_derives_ratios(tmp_path: Path) -> None:
     assert sweep[0]["read_amplification"] == 1.0 and sweep[-1]["read_amplification"] > 1.0
     assert all(r["pages_missing"] == 0 for r in sweep)
     text = br.format_table(report)
-    assert "flatcake_vs_limit" in text and "Δgap" in text
+    assert "flatcake_vs_limit" in text and "Δgap" in text and "host paths" in text
 
 
 def test_context_sweep_bounds_flatcake_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,7 +57,7 @@ def test_context_sweep_bounds_flatcake_staging(tmp_path: Path, monkeypatch: pyte
     tiered = [r["tiered_staging_peak_bytes"] for r in rows]
     flat = [r["flatcake_staging_peak_bytes"] for r in rows]
     assert tiered == [r["context_bytes"] for r in rows]  # grows with the context
-    assert max(flat) <= 2 * 64 * 1024 and flat[-1] == flat[-2]  # bounded by the window
+    assert flat == [0] * len(rows)  # read in place into the aligned destination: nothing staged at any length
 
 
 def test_cli_prints_the_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -143,3 +143,20 @@ def test_plan_reclaim_never_picks_pinned_and_goes_oldest_first(
     assert chosen == sorted(chosen)  # oldest (smallest last_used) first
     if used + need <= 16:
         assert chosen == []
+
+
+def test_only_a_continuation_of_a_scopes_last_page_joins_it() -> None:
+    """Session A stores a shared prompt and its own turn; session B's put starts after the prompt's last
+    page, inside A's run: B gets a scope of its own (placed by its own decision), not A's."""
+    t = table()
+    a = t.reserve(["sys0", "sys1", "a0", "a1"], None, SSD)
+    t.publish(a)
+    b = t.reserve(["b0", "b1"], "sys1", DRAM)  # "sys1" is stored, but A's run goes on after it
+    t.publish(b)
+    assert b.scope is not a.scope and b.decision == DRAM
+    a2 = t.reserve(["a2"], "a1", DRAM)  # A's next turn continues its last page: joins, SSD inherited
+    t.publish(a2)
+    assert a2.scope is a.scope and a2.decision.reason is Reason.INHERITED
+    b2 = t.reserve(["b2"], "b1", SSD)
+    t.publish(b2)
+    assert b2.scope is b.scope and b2.scope.medium is Medium.DRAM
