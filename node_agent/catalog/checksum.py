@@ -11,6 +11,7 @@ fixed row length of a pool it is four 256-entry tables (``LayerFold``).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -21,9 +22,9 @@ from isal import isal_zlib
 U32 = npt.NDArray[np.uint32]
 
 
-def crc32(data: Any, value: int = 0) -> int:
-    """``zlib.crc32(data, value)``, at memory speed."""
-    return int(isal_zlib.crc32(data, value))
+# ``zlib.crc32(data, value=0)``, at memory speed: ISA-L's own function, no wrapper (a restore calls it once
+# per page-layer, tens of thousands of times).
+crc32: Callable[..., int] = isal_zlib.crc32
 
 
 def page_checksum(pages: Any, j: int) -> int:

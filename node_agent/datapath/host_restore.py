@@ -97,6 +97,7 @@ class HostRestore(Iterator[int]):
         self._lost_pieces: list[Ints] = []
         self._crc = np.zeros((layers, len(ssd_dest)), dtype=np.uint32) if check is not None else None
         self._staged_now = 0
+        self._rest_issued = self._closed = False
         self._mem = target.memory.data
         # Per piece (in command order): its layer, its plan page, and where its pieces land in memory.
         self._piece_layer, self._piece_page = np.divmod(cmds.piece_index, max(plan.pages, 1))
@@ -183,19 +184,18 @@ class HostRestore(Iterator[int]):
         crc, mem, t = self._crc, self._mem, self._target
         assert crc is not None
         ok = self._ok(p0, p1, got)
-        addr = self._piece_addr(p0, p1)
-        layer, page = self._piece_layer[p0:p1], self._piece_page[p0:p1]
-        sub, pb = t.piece_offsets.tolist(), t.piece_bytes
-        for a, ly, pg, good in zip(addr.tolist(), layer.tolist(), page.tolist(), ok.tolist(), strict=True):
-            if not good:
-                continue
-            if len(sub) == 1:
-                crc[ly, pg] = crc32(mem[a : a + pb])
-            else:
+        addr = self._piece_addr(p0, p1)[ok].tolist()
+        pb, sub = t.piece_bytes, t.piece_offsets.tolist()
+        if len(sub) == 1:  # the common case, kept to one C call per page-layer
+            values = [crc32(mem[a : a + pb]) for a in addr]
+        else:
+            values = []
+            for a in addr:
                 v = 0
                 for s in sub:
                     v = crc32(mem[a + s : a + s + pb], v)
-                crc[ly, pg] = v
+                values.append(v)
+        crc[self._piece_layer[p0:p1][ok], self._piece_page[p0:p1][ok]] = values
 
     def _piece_addr(self, p0: int, p1: int) -> Ints:
         """Memory offset of pieces ``p0:p1`` (their first sub-piece: a page-layer is ``len(piece_offsets)``)."""
@@ -213,13 +213,12 @@ class HostRestore(Iterator[int]):
             return
         brk = np.flatnonzero((np.diff(start) != pb) | (np.diff(layer) != 0)) + 1
         bounds = [0, *brk.tolist(), len(start)]
-        crc = self._crc
+        if self._crc is not None:
+            mem = buf.data
+            self._crc[layer, page] = [crc32(mem[s : s + pb]) for s in start.tolist()]
         for a, b in itertools.pairwise(bounds):
             s, ly = int(start[a]), int(layer[a])
             rows = buf[s : s + (b - a) * pb].reshape(b - a, pb)
-            if crc is not None:
-                for j, pg in enumerate(page[a:b].tolist()):
-                    crc[ly, pg] = crc32(rows[j])
             self._target.write(ly, self._ssd_dest[page[a:b]], rows)
 
     def _landed_command(self, c: int, p0: int, p1: int, length: int, got: int) -> None:
@@ -235,7 +234,20 @@ class HostRestore(Iterator[int]):
             if lost is not None and len(lost):
                 self._lost_pieces.append(lost)
             self._landed[int(self._plan.first_layer[c])] += 1
+            if self._landed[0] == self._need[0] and not self._rest_issued:
+                self._issue_rest()
             self._cond.notify_all()
+
+    def _issue_rest(self) -> None:
+        """The commands past layer 0, once layer 0 has landed (called under ``_cond``). Issued together with
+        layer 0, they share the device with it and hold it back: measured here, layer 0 of a 4-segment
+        restore took 9-14 ms instead of 1 ms behind 16 MiB commands, for <1 ms of lower depth after."""
+        self._rest_issued = True
+        if self._closed:
+            return
+        cmds = self._plan.commands
+        for c in range(int(self._need[0]), len(cmds)):
+            self._stream.submit(int(cmds.length[c]), self._job(c))
 
     # ---- the restore's thread -------------------------------------------------------------------------
     def __next__(self) -> int:
@@ -253,8 +265,11 @@ class HostRestore(Iterator[int]):
     def _run(self) -> Generator[int, None, None]:
         try:
             cmds = self._plan.commands
-            for c, n in enumerate(cmds.length.tolist()):
-                self._stream.submit(n, self._job(c))
+            with self._cond:
+                for c in range(int(self._need[0]) if self._layers else 0):  # layer 0 first, alone
+                    self._stream.submit(int(cmds.length[c]), self._job(c))
+                if not self._layers or self._need[0] == 0:
+                    self._issue_rest()
             for layer in range(self._layers):
                 with self._cond:
                     self._cond.wait_for(lambda layer=layer: self._whole(layer))  # type: ignore[misc]
@@ -297,6 +312,8 @@ class HostRestore(Iterator[int]):
         if self._finished:
             return
         self._finished = True
+        with self._cond:
+            self._closed = True  # no command is issued after this
         self._stream.cancel()
         self._stream.wait_idle()  # no read may land in the destination after the caller takes it back
         self._stats.peak("staging_peak_bytes", self.staging_peak_bytes)

@@ -121,25 +121,28 @@ def coalesce(
 
 
 def _cap(starts: Ints, o: Ints, end: Ints, max_bytes: int) -> Ints:
-    """Split any group whose span exceeds ``max_bytes``, greedily in order (rare: only long runs)."""
+    """Split any group whose span exceeds ``max_bytes``, greedily in order: a command ends before the first
+    piece that would take it past ``max_bytes``. One search per cut, not a step per piece (a restore of a
+    long context has thousands of pieces per group)."""
     bounds = np.append(starts, len(o))
     spans = np.maximum.reduceat(end, starts) - o[starts]
-    if not (spans > max_bytes).any():
+    big = np.flatnonzero(spans > max_bytes)
+    if not len(big):
         return starts
-    out: list[int] = []
-    for s, e, span in zip(bounds[:-1].tolist(), bounds[1:].tolist(), spans.tolist(), strict=True):
-        out.append(s)
-        if span <= max_bytes:
-            continue
-        begin, far = o[s], end[s]
-        for i in range(s + 1, e):
-            far_i = max(far, int(end[i]))
-            if far_i - begin > max_bytes:
-                out.append(i)
-                begin, far = o[i], end[i]
-            else:
-                far = far_i
-    return np.asarray(out, dtype=np.int64)
+    cuts: list[int] = []
+    for g in big.tolist():
+        s, e = int(bounds[g]), int(bounds[g + 1])
+        # The running end from the group's start bounds every command's span from above (pieces are sorted
+        # by offset), so a command cut by it never exceeds max_bytes.
+        run_end = np.maximum.accumulate(end[s:e])
+        i = 0
+        while True:
+            j = max(int(np.searchsorted(run_end, o[s + i] + max_bytes, side="right")), i + 1)
+            if j >= e - s:
+                break
+            cuts.append(s + j)
+            i = j
+    return np.sort(np.concatenate((starts, np.asarray(cuts, dtype=np.int64))))
 
 
 def pack(lengths: Ints, slot_bytes: int) -> list[tuple[int, int]]:

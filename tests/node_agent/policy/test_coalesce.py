@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flatcake.node_agent.policy.coalesce import coalesce, layer_groups, pack, plan_restore
+from flatcake.node_agent.policy.coalesce import coalesce, layer_groups, pack, plan_host, plan_restore
 
 pytestmark = pytest.mark.unit
 
@@ -127,3 +127,34 @@ def test_layer_groups_keep_the_first_layer_alone_and_fill_a_slot_after() -> None
     assert layer_groups(1, 1, 1 << 20) == [(0, 1)] and layer_groups(0, 1, 1) == []
     groups = layer_groups(80, 3 * 4096, 8 << 20)
     assert [g for g in groups for _ in range(g[1] - g[0])] and sum(e - f for f, e in groups) == 80
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ranges=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 200), st.integers(1, 8)), min_size=1, max_size=60),
+    gap=st.sampled_from([0, 512, 4096]),
+    cap=st.integers(8, 40),
+)
+def test_capped_commands_never_exceed_max_bytes_even_with_overlaps(ranges: list[Desc], gap: int, cap: int) -> None:
+    f, o, n = (np.array(x, np.int64) for x in zip(*ranges, strict=True))
+    o, n = o * 512, n * 512
+    c = coalesce(f, o, n, gap, cap * 512)
+    assert (c.length <= cap * 512).all()
+    assert sorted(c.piece_index.tolist()) == list(range(len(f)))  # each piece in exactly one command
+    owner = np.repeat(np.arange(len(c)), np.diff(c.piece_ptr))
+    assert (c.piece_start >= 0).all() and (c.piece_start + c.piece_length <= c.length[owner]).all()
+
+
+def test_plan_host_merges_a_segments_layers_and_keeps_layer_0_alone() -> None:
+    # Two segments of 3 pages (stride 3 pages), 5 layers; 1 page of a third segment.
+    file = np.array([0, 0, 0, 1, 1, 1, 0], np.int64)
+    base = np.array([0, 1, 2, 0, 1, 2, 100], np.int64) * PAGE
+    stride = np.array([3, 3, 3, 3, 3, 3, 1], np.int64) * PAGE
+    plan = plan_host(file, base, stride, 5, PAGE, 0, 1 << 20)
+    assert plan.first_layer.tolist() == [0, 0, 0, 1, 1, 1]  # layer 0 of each segment, then the rest
+    assert sorted(plan.commands.length.tolist()[3:]) == [4 * PAGE, 12 * PAGE, 12 * PAGE]  # layers 1-4 back to back
+    pieces = sorted(plan.commands.piece_index.tolist())
+    assert pieces == list(range(5 * 7))
+    small = plan_host(file, base, stride, 5, PAGE, 0, 6 * PAGE)  # capped: layers 1-4 of a segment in two
+    assert (small.commands.length <= 6 * PAGE).all() and small.first_layer.tolist() == sorted(small.first_layer)
+    assert len(small.commands) == 3 + 2 + 2 + 1
