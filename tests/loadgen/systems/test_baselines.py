@@ -79,3 +79,22 @@ def test_per_block_round_trip_one_file_per_page(tmp_path: Path) -> None:
         assert store.exists(keys) == 2 and store.restore(keys, dest) == 1
     finally:
         store.close()
+
+
+def test_flatcake_restores_the_stored_prefix_and_counts_the_rest_as_missed(tmp_path: Path) -> None:
+    """A page no longer stored (a DRAM scope reclaimed since) is a miss to recompute, never an exception."""
+    from flatcake.loadgen.systems import FlatCakeSystem, SystemSpec
+    from flatcake.node_agent import Hints
+
+    spec = SystemSpec(
+        layers=2, page_bytes=4096, page_tokens=16, sessions=1, session_bytes=4 * 2 * 4096, dram_fraction=0
+    )
+    system = FlatCakeSystem(tmp_path, spec)
+    try:
+        kv = pages(2, 3, 4096)
+        system.put(["a", "b", "c"], kv, Hints())
+        dest = np.zeros((2, 4, 4096), np.uint8)
+        assert system.restore(["a", "b", "c", "gone"], dest) == 1
+        assert np.array_equal(dest[:, :3], kv)
+    finally:
+        system.close()
