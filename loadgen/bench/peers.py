@@ -234,7 +234,12 @@ def run_system(
                 crcs[key] = _crc(kv[:, j, :raw])
             before = [k for turn in session.turns[:t] for k in turn]
             context = (len(before) + len(keys)) * m.page_tokens
-            hints = Hints(turn=t + 1, context_tokens=context, parent_key=before[-1] if before else None)
+            # The signals SGLang's backend derives for the same put (node_agent/sglang/signals.py): the tokens
+            # each later turn appended, at page granularity. Without them Table 2 reads "no earlier reply"
+            # as a short chat and sends every later turn to DRAM.
+            appended = tuple(len(turn) * m.page_tokens for turn in session.turns[1 : t + 1])
+            hints = Hints(turn=t + 1, context_tokens=context, prev_reply_tokens=appended,
+                          parent_key=before[-1] if before else None)  # fmt: skip
             started = time.perf_counter()
             system.put(keys, kv, hints)
             put_seconds += time.perf_counter() - started

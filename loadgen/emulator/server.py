@@ -320,6 +320,7 @@ class Emulator:
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="emulator-io")
         self._prefetch_io = ThreadPoolExecutor(1, thread_name_prefix="emulator-prefetch")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="emulator-store")
+        self._writes: set[Future[None]] = set()  # write-backs not yet done (a flush waits for them)
         self._tasks: list[asyncio.Task[None]] = []
         self.registry = CollectorRegistry()
         m = {n: f(n, self.registry) for n, f in (
@@ -673,6 +674,8 @@ class Emulator:
             self._pin(new, +1)
             done = self._writer.submit(self._store, new, parent, out.prompt_tokens, len(kids))
             done.add_done_callback(self._unpin_later(loop, new))
+            self._writes.add(done)
+            done.add_done_callback(lambda f: loop.call_soon_threadsafe(self._writes.discard, f))
         out.first_token = time.monotonic()
         self._count(out, miss_tokens)
         job.done.set()
@@ -716,10 +719,15 @@ class Emulator:
             await asyncio.sleep(step)
             yield i
 
-    def flush_hbm(self) -> int:
+    async def flush_hbm(self) -> int:
         """Drop HBM's prefix cache (SGLang's ``/flush_cache``): the next requests start cold on the GPU
-        and find their prefixes in the storage under test, which keeps everything. Pages still pinned
-        (prefetched for a request, or awaiting write-back) stay. Returns the pages dropped."""
+        and find their prefixes in the storage under test, which keeps everything. Write-backs still
+        running are waited for first (their pages are pinned in HBM until stored), so a flush that
+        returns has dropped every page of every answered request, however slow the storage is. Pages
+        prefetched for a request still waiting stay. Returns the pages dropped."""
+        while self._writes:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in list(self._writes)), return_exceptions=True)
+            await asyncio.sleep(0)  # the writer's unpin callbacks, queued before the gather woke, run now
         drop = [key for key in self.hbm if key not in self.pinned]
         for key in drop:
             del self.hbm[key]
@@ -1319,7 +1327,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     if request.app[HTTP].inflight:
         return web.Response(status=400, text="Cache not flushed. (When there are running or waiting requests, "
                                              "the operation will not be performed.)\n")  # fmt: skip
-    pages = request.app[EMULATOR].flush_hbm()
+    pages = await request.app[EMULATOR].flush_hbm()
     return web.Response(text=f"Cache flushed. ({pages} HBM pages dropped; the storage under test keeps its pages)\n")
 
 

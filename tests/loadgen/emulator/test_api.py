@@ -293,3 +293,43 @@ def test_sglang_bench_serving(emulator: Server, backend: str, tmp_path: Path) ->
     out = json.loads(result.read_text().splitlines()[-1])
     assert out["completed"] == 4 and out["total_input_tokens"] == 4 * 300, out
     assert out["total_output_tokens"] == 4 * 3 and out["mean_ttft_ms"] > 0
+
+
+def test_a_flush_waits_for_write_backs_in_flight(tmp_path: Path) -> None:
+    """Under load a write-back can still be running when the response has gone; its pages stay pinned in
+    HBM until stored. A flush waits for it, so the next request starts cold (issue 29: failed on a busy
+    machine with device == 512 after the flush)."""
+    import threading
+
+    from flatcake.loadgen.emulator.server import EMULATOR
+
+    server = Server(EmulatorConfig(data_dir=str(tmp_path), ssd_bytes=64 << 20, scope_file_bytes=4 << 20,
+                                   decode_tokens_per_s=2000.0))  # fmt: skip
+    try:
+        emu = server.runner.app[EMULATOR]
+        gate, stored = threading.Event(), threading.Event()
+        store = emu.storage.store
+
+        def slow_store(*args: Any) -> Any:
+            assert gate.wait(30)
+            placed = store(*args)
+            stored.set()
+            return placed
+
+        emu.storage.store = slow_store  # type: ignore[method-assign]
+        prompt = list(range(600))
+        call(server, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})
+        assert not stored.is_set()  # answered; its write-back is held at the gate
+        flushed: list[Any] = []
+        t = threading.Thread(target=lambda: flushed.append(call(server, "/flush_cache", {})))
+        t.start()
+        t.join(0.5)
+        assert not flushed, "the flush returned while a write-back was still running"
+        gate.set()
+        t.join(30)
+        assert flushed and flushed[0][0] == 200 and stored.is_set()
+        cold = call(server, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})[1]
+        assert cold["meta_info"]["cached_tokens_details"]["device"] == 0
+    finally:
+        gate.set()
+        server.stop()
