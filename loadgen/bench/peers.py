@@ -218,6 +218,8 @@ def run_system(
         put_seconds = 0.0
         put_bytes = 0
         arrive = getattr(system, "arrive", None)  # a system that sees requests before their writes
+        seen: set[str] = set()
+        own_turns: dict[int, tuple[int, ...]] = {}  # session -> tokens of each put that stored pages of its own
         for n, (i, t) in enumerate(w.order):
             if arrive is not None and (n == 0 or w.order[n - 1][1] != t):
                 # A round's requests arrive together: each is looked up before any of them is written,
@@ -234,11 +236,15 @@ def run_system(
                 crcs[key] = _crc(kv[:, j, :raw])
             before = [k for turn in session.turns[:t] for k in turn]
             context = (len(before) + len(keys)) * m.page_tokens
-            # The signals SGLang's backend derives for the same put (node_agent/sglang/signals.py): the tokens
-            # each later turn appended, at page granularity. Without them Table 2 reads "no earlier reply"
-            # as a short chat and sends every later turn to DRAM.
-            appended = tuple(len(turn) * m.page_tokens for turn in session.turns[1 : t + 1])
-            hints = Hints(turn=t + 1, context_tokens=context, prev_reply_tokens=appended,
+            # The signals SGLang's backend derives for the same put (node_agent/sglang/signals.py): a session's
+            # own pages after a shared prompt begin its turn 1; each later turn reports the tokens it appended
+            # (page-granular). Without them Table 2 reads "no earlier reply" as a short chat.
+            own = [k for k in keys if k not in seen]
+            seen.update(own)
+            if own:
+                own_turns[i] = (*own_turns.get(i, ()), len(own) * m.page_tokens)
+            turns_so_far = own_turns.get(i, ())
+            hints = Hints(turn=max(1, len(turns_so_far)), context_tokens=context, prev_reply_tokens=turns_so_far[1:],
                           parent_key=before[-1] if before else None)  # fmt: skip
             started = time.perf_counter()
             system.put(keys, kv, hints)
