@@ -11,7 +11,8 @@ reclaim cannot race a read of the bytes: the table only decides what a client *a
 
 Layout: a 4 KiB header, then ``slots`` records of 32 bytes (``keyindex.SLOT``); the layout, the
 probing and the seqlock are in policy/keyindex.py. (On a weakly ordered CPU the seqlock needs fences
-Python cannot issue; the agent then runs with ``agent.shared_index`` off and keeps the table private.)
+Python cannot issue; there the agent keeps the table private whatever ``agent.shared_index`` says:
+``seqlock_safe``.)
 
 Replacing the table (when tombstones pile up or it fills): the writer builds a new file, renames it
 over the old name, and only then marks the old one ``retired``; a reader checks that flag before each
@@ -28,6 +29,7 @@ import contextlib
 import logging
 import mmap
 import os
+import platform
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -58,6 +60,18 @@ from flatcake.node_agent.policy.placement import Key
 from flatcake.node_agent.policy.scopes import Location
 
 log = logging.getLogger(__name__)
+
+# CPUs with total store order: another core sees a core's stores in the order it made them, and loads are
+# not reordered with older loads, so the seqlock's plain stores and loads (odd sequence, entry, even
+# sequence; a reader re-reads the sequence) are enough. Arm, POWER and RISC-V reorder them; there the
+# seqlock needs barriers, which neither Python nor numpy issue between two stores.
+TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"})
+
+
+def seqlock_safe(machine: str | None = None) -> bool:
+    """Whether clients may read the index while the agent writes it, on this CPU (``platform.machine()``)."""
+    return (platform.machine() if machine is None else machine).lower() in TSO_MACHINES
+
 
 __all__ = ["MAX_PROBE", "MIN_SLOTS", "SharedIndexReader", "SharedIndexWriter", "hash_keys", "slots_for"]
 

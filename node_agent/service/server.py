@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import operator
+import platform
 import signal
 import stat
 import threading
@@ -35,7 +36,7 @@ from flatcake.node_agent.catalog.files import resolve_gid, share_path
 from flatcake.node_agent.catalog.journal import Journal
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.catalog.recovery import Recovered, close_fds, page_crc_reader, recover, scan
-from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, slots_for
+from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, seqlock_safe, slots_for
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.datapath.dram_pool import DramPool
 from flatcake.node_agent.datapath.engine import local_table
@@ -105,6 +106,10 @@ class Agent:
         pool; None when turned off or it cannot be made (clients then ask over the socket)."""
         c = self.config
         if not c.agent.shared_index:
+            return None
+        if not seqlock_safe():
+            log.warning("shared index: off on %s, a weakly ordered CPU (its seqlock would need memory barriers); "
+                        "clients look keys up over the socket", platform.machine())  # fmt: skip
             return None
         path = Path(c.dram.shm_dir) / f"{c.dram.name}.index"
         try:

@@ -79,3 +79,20 @@ def test_a_restarted_agent_rebuilds_the_shared_index(agent_thread: Start) -> Non
             assert e.exists([*keys, "d0", "d1"]) == 7 and b.agent.requests["exists"] == 0
     finally:
         b.stop()
+
+
+def test_on_a_weakly_ordered_cpu_the_agent_keeps_the_index_private(
+    agent_thread: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seqlock is sound only with total store order: on Arm the agent does not share the table, even
+    with agent.shared_index on, and clients get the same answers over the socket."""
+    from flatcake.node_agent.catalog import shared_index
+
+    assert shared_index.seqlock_safe("x86_64") and shared_index.seqlock_safe("AMD64")
+    assert not any(shared_index.seqlock_safe(m) for m in ("aarch64", "arm64", "ppc64le", "riscv64"))
+    monkeypatch.setattr(shared_index.platform, "machine", lambda: "aarch64")
+    a = agent_thread()
+    assert a.agent.index is None
+    with connect(a.socket) as e:
+        e.put(["a"], pages(4, 1, 4096))
+        assert remote(e).index is None and e.exists(["a", "b"]) == 1 and a.agent.requests["exists"] == 1
