@@ -130,7 +130,8 @@ def _trace_synth(args: argparse.Namespace) -> int:
 
 
 def _emulate(args: argparse.Namespace) -> int:
-    from flatcake.loadgen.emulator.server import EmulatorConfig, serve
+    from flatcake.loadgen.emulator.config import EmulatorConfig
+    from flatcake.loadgen.emulator.server import serve
 
     fields = {k: v for k, v in vars(args).items() if k in EmulatorConfig.__dataclass_fields__ and v is not None}
     serve(EmulatorConfig(**fields), args.host, args.port)

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flatcake.loadgen.emulator.server import EmulatorConfig, engine_config, page_keys
+from flatcake.loadgen.emulator.config import EmulatorConfig
+from flatcake.loadgen.emulator.core import page_keys
+from flatcake.loadgen.emulator.storage import engine_config
 from flatcake.loadgen.models import preset
 from flatcake.loadgen.replay.requests import prompt_tokens
 from flatcake.loadgen.replay.run import LoadgenConfig

@@ -29,7 +29,8 @@ import numpy as np
 
 from flatcake.errors import ConfigError
 from flatcake.loadgen.bench import e2e
-from flatcake.loadgen.emulator.server import EmulatorConfig, Storage, engine_config
+from flatcake.loadgen.emulator.config import EmulatorConfig
+from flatcake.loadgen.emulator.storage import Storage, engine_config
 from flatcake.loadgen.models import preset
 from flatcake.loadgen.simulate import devices
 from flatcake.loadgen.simulate.run import SimConfig, simulate

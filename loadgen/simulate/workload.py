@@ -3,7 +3,7 @@
 Page keys come from the trace's prefix-chained block hashes without materialising tokens: page ``j``
 (tokens ``[j x P, (j+1) x P)``) is named by the hash of the block holding its last token and where
 that token sits in the block. Equal keys mean equal prefixes up to the page's end, as
-``emulator.server.page_keys`` gives for token ids derived from the same hashes. A partial last page is
+``emulator.core.page_keys`` gives for token ids derived from the same hashes. A partial last page is
 never cached.
 """
 

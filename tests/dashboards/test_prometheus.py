@@ -21,7 +21,7 @@ import yaml
 from flatcake import dashboards as D
 from flatcake.errors import ProtocolError
 from flatcake.loadgen.bench import e2e
-from flatcake.loadgen.emulator.server import EmulatorConfig
+from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.replay.run import LoadgenConfig
 from flatcake.loadgen.replay.run import run as run_locust
 from flatcake.net import free_port

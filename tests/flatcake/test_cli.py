@@ -31,7 +31,7 @@ def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_emulators_help_defaults_are_its_configs() -> None:
-    from flatcake.loadgen.emulator.server import EmulatorConfig
+    from flatcake.loadgen.emulator.config import EmulatorConfig
 
     fields = {f.name: f.default for f in dataclasses.fields(EmulatorConfig)}
     assert {k: fields[k] for k in cli.EMULATOR_DEFAULTS} == cli.EMULATOR_DEFAULTS

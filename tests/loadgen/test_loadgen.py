@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from flatcake.loadgen.bench import e2e
-from flatcake.loadgen.emulator.server import EmulatorConfig, page_keys
+from flatcake.loadgen.emulator.config import EmulatorConfig
+from flatcake.loadgen.emulator.core import page_keys
 from flatcake.loadgen.replay.requests import prompt_tokens, schedule
 from flatcake.loadgen.replay.run import LoadgenConfig, check_loopback, command
 from flatcake.loadgen.report import build as R

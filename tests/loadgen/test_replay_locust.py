@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flatcake.loadgen.emulator.server import EmulatorConfig
+from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.traces.formats import TraceRequest, write_trace
 from tests.support.emulators import Server
 

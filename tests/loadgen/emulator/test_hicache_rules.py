@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from flatcake.loadgen.emulator.server import Emulator, EmulatorConfig, Outcome, page_keys
+from flatcake.loadgen.emulator.config import EmulatorConfig
+from flatcake.loadgen.emulator.core import Emulator, Outcome, page_keys
 from flatcake.loadgen.systems import hicache
 from flatcake.node_agent import Hints, aligned_empty
 from tests.support.waiting import async_wait_until

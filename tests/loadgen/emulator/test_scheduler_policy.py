@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from flatcake.cli import build_parser
-from flatcake.loadgen.emulator.server import Emulator, EmulatorConfig, scheduler_policy
+from flatcake.loadgen.emulator.config import EmulatorConfig
+from flatcake.loadgen.emulator.core import Emulator, scheduler_policy
 from flatcake.node_agent import SchedulerConfig
 from tests.support.agents import AgentThread
 

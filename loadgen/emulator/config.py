@@ -1,0 +1,89 @@
+"""The emulator's configuration: what it stores (``mode``), the model it stands in for, its HBM, DRAM
+and SSD, and how it schedules; checked when made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flatcake.errors import ConfigError
+from flatcake.loadgen.models import ModelPreset, gpu_profile, preset
+from flatcake.loadgen.systems import hicache
+from flatcake.node_agent.constants import SCHEDULER_POLICIES
+
+MODES = ("flatcake", "tiered", "dram", "none")
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class EmulatorConfig:
+    mode: str = "flatcake"
+    data_dir: str = ".flatcake-emulator"
+    agent_socket: str | None = None  # flatcake mode: use this node agent instead of an in-process engine
+    # A model preset sets the KV geometry (layers, page bytes) and the GPU's costs; without one the
+    # geometry and rates below are used as given.
+    model: str | None = None
+    gpu: str = "h200"
+    page_tokens: int = 256
+    layers: int = 4
+    bytes_per_token_layer: int = 64  # a 256-token page is 16 KiB per layer
+    hbm_bytes: int = 16 * MiB
+    dram_bytes: int = 64 * MiB  # FlatCake's DRAM pool, or the tiered host tier (SGLang's host pool)
+    ssd_bytes: int = 2048 * MiB  # FlatCake's file pool, or the tiered L3 log
+    scope_file_bytes: int = 8 * MiB  # FlatCake: one session scope's file
+    prefill_tokens_per_s: float = 100_000.0  # without a model preset
+    decode_tokens_per_s: float = 200.0  # without a model preset
+    # flatcake only (the tiered modes are FCFS as SGLang schedules); None: the node agent's
+    # scheduler.policy when connected to one, else mas
+    scheduler: str | None = None
+    prefetch_policy: str = hicache.DEFAULT_PREFETCH_POLICY  # tiered: SGLang's prefetch stop policy
+    prefetchers: int = 2  # flatcake: concurrent SSD prefetches
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_tokens * self.bytes_per_token_layer
+
+    @property
+    def page_span(self) -> int:
+        return self.layers * self.page_bytes
+
+    @property
+    def preset(self) -> ModelPreset | None:
+        return preset(self.model) if self.model else None
+
+    def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        p = self.preset
+        if p is not None:
+            return p.prefill_s(new_tokens, cached_tokens, self.gpu) if new_tokens else 0.0
+        return new_tokens / self.prefill_tokens_per_s
+
+    def decode_seconds_per_token(self) -> float:
+        p = self.preset
+        return p.decode_s_per_token(self.gpu) if p is not None else 1.0 / self.decode_tokens_per_s
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode: {self.mode!r} must be one of {MODES}")
+        # Checked before anything is created (``serve`` binds, then makes the pools).
+        for name in ("hbm_bytes", "ssd_bytes", "scope_file_bytes", "layers", "page_tokens", "bytes_per_token_layer",
+                     "prefetchers"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}: {value!r} must be a positive integer")
+        if not isinstance(self.dram_bytes, int) or self.dram_bytes < 0:
+            raise ConfigError(f"dram_bytes: {self.dram_bytes!r} must be an integer >= 0")
+        for name in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: {getattr(self, name)!r} must be > 0")
+        p = self.preset  # an unknown model or GPU is refused here, naming the field
+        gpu_profile(self.gpu)
+        if p is not None:  # the preset's geometry, padded page-layers as the engine stores them
+            object.__setattr__(self, "layers", p.layers)
+            object.__setattr__(self, "page_tokens", p.page_tokens)
+            object.__setattr__(self, "bytes_per_token_layer", p.page_layer_bytes // p.page_tokens)
+        if self.page_bytes % 4096:  # pages are read with O_DIRECT
+            raise ConfigError(f"page_tokens x bytes_per_token_layer ({self.page_tokens} x {self.bytes_per_token_layer}"
+                              ") must be a multiple of 4096: with 64 bytes per token-layer, use a multiple of 64 "
+                              "page tokens")  # fmt: skip
+        if self.scheduler is not None and self.scheduler not in SCHEDULER_POLICIES:
+            raise ValueError(f"scheduler: {self.scheduler!r} must be one of {', '.join(SCHEDULER_POLICIES)}")
+        hicache.check_policy(self.prefetch_policy)

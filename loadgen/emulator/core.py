@@ -1,0 +1,549 @@
+"""``flatcake emulate``: an inference server for benchmarking where no GPU is at hand.
+
+What is real: the KV storage. Every prompt page's KV (``layers x page_bytes`` of real bytes, the model
+preset's bytes per token per rank) is stored and restored through the storage under test: FlatCake's
+engine (placement, FC-MAS ordering, coalesced restore into a bounded window that waits when full), or
+the tiered baselines (an SGLang-HiCache-like host LRU tier over an SSD log), with real I/O on this
+machine's disk.
+
+What is modelled: the GPU. With a model preset (``model``, ``gpu``; loadgen/models.py) a prefill of the
+tokens not in HBM costs the preset's FLOPs for that many new tokens after the cached ones; without
+one, ``tokens / prefill_tokens_per_s``. One GPU runs one prefill at a time; decode streams
+``max_tokens`` tokens at the preset's (or the given) per-token time. HBM is an LRU prefix cache of
+``hbm_bytes``.
+
+Hits are delivered hits: tokens whose KV is in HBM before prefill starts. ``tiered`` follows SGLang
+HiCache (loadgen/systems/hicache.py cites the code): at admission the span found in storage beyond the
+host tier is prefetched by one I/O thread in 128-page batches, unless the tokens already in flight
+reach half the host pool (then it is declined and retried at later scheduling passes); the FCFS
+scheduler skips a request whose prefetch may not stop yet under the stop policy (``best_effort``,
+``wait_complete``, ``timeout``; SGLang's default ``timeout``) and schedules later ones; what had not
+arrived when it stops is recomputed, as are pages that reached storage after admission. FlatCake
+restores whatever is stored when the request is scheduled, streaming into HBM through its bounded
+window, which waits instead; requests are ordered by FC-MAS (or FCFS, for the ablation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Gauge
+
+from flatcake import metrics as M
+from flatcake.loadgen.emulator.config import EmulatorConfig
+from flatcake.loadgen.emulator.storage import Storage
+from flatcake.loadgen.systems import hicache
+from flatcake.node_agent import (
+    Engine,
+    Request,
+    Scheduler,
+)
+
+log = logging.getLogger(__name__)
+
+
+def page_keys(tokens: Sequence[int], page_tokens: int) -> list[str]:
+    """Prefix-chained keys of the prompt's full pages (a partial last page is never cached)."""
+    keys, prev = [], b""
+    arr = np.asarray(tokens, dtype=np.int64)
+    for i in range(len(arr) // page_tokens):
+        h = hashlib.blake2b(prev + arr[i * page_tokens : (i + 1) * page_tokens].tobytes(), digest_size=16)
+        prev = h.digest()
+        keys.append(h.hexdigest())
+    return keys
+
+
+@dataclass
+class Outcome:
+    prompt_tokens: int
+    hit_pages: dict[str, int] = field(default_factory=lambda: {"hbm": 0, "dram": 0, "ssd": 0})
+    declined_pages: int = 0
+    unprefetched_pages: int = 0
+    failed_pages: int = 0
+    queue: str = "dram_ready"
+    arrival: float = 0.0
+    prefill_start: float = 0.0
+    first_token: float = 0.0
+
+    def cached_tokens(self, page_tokens: int) -> int:
+        return sum(self.hit_pages.values()) * page_tokens
+
+
+def scheduler_policy(cfg: EmulatorConfig, engine: Engine | None) -> str:
+    """How FlatCake orders requests: as chosen, else as its node agent hands clients at registration
+    (``scheduler.policy``: a cluster's setting reaches the serving side), else FC-MAS. The other
+    modes are FCFS, as SGLang schedules."""
+    if cfg.mode != "flatcake":
+        return "fcfs"
+    if cfg.scheduler is not None:
+        return cfg.scheduler
+    if cfg.agent_socket and engine is not None:
+        return engine.config.scheduler.policy
+    return "mas"
+
+
+class Emulator:
+    def __init__(self, cfg: EmulatorConfig) -> None:
+        self.cfg = cfg
+        self.storage = Storage(cfg)
+        self.hbm: OrderedDict[str, None] = OrderedDict()
+        self.pinned: dict[str, int] = {}  # prefetched pages waiting for their prefill: not evicted
+        self.hbm_pages = max(1, cfg.hbm_bytes // cfg.page_span)
+        # Write-time sharing signal: how many different continuations a page has had (a shared
+        # system prompt or a fork point has several; a session's own history has one).
+        self.children: dict[str | None, set[str]] = {}
+        self.sched = Scheduler(scheduler_policy(cfg, self.storage.engine))
+        # Tiered (SGLang HiCache): the FCFS waiting queue, the tokens in flight in prefetches
+        # (prefetch_tokens_occupied) against half the host pool, and the one prefetch I/O thread.
+        self.sglang_like = cfg.mode in ("tiered", "dram")
+        self.waiting: list[_Job] = []
+        self.staging_tokens = 0
+        self.host_pool_tokens = max(1, cfg.dram_bytes // cfg.page_span) * cfg.page_tokens
+        self._io_queue: asyncio.Queue[_Job] | None = None
+        # Placement accuracy (FlatCake): where each stored page went, and which were asked for again.
+        self.placed: dict[str, str] = {}
+        self.reused: set[str] = set()
+        self._cond: asyncio.Condition | None = None
+        self._jobs: dict[str, _Job] = {}
+        self._ids = itertools.count()
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="emulator-io")
+        self._prefetch_io = ThreadPoolExecutor(1, thread_name_prefix="emulator-prefetch")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="emulator-store")
+        self._writes: set[Future[None]] = set()  # write-backs not yet done (a flush waits for them)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.registry = CollectorRegistry()
+        m = {n: f(n, self.registry) for n, f in (
+            ("flatcake_requests", M.counter), ("flatcake_prompt_tokens", M.counter),
+            ("flatcake_hit_tokens", M.counter), ("flatcake_miss_tokens", M.counter),
+            ("flatcake_prefetch_declined", M.counter), ("flatcake_prefetch_retries", M.counter),
+            ("flatcake_prefetch_seconds", M.histogram), ("flatcake_ssd_restore_bytes", M.counter),
+            ("flatcake_ssd_restore_busy_seconds", M.counter),
+            ("flatcake_queue_depth", M.gauge), ("flatcake_queue_wait_seconds", M.histogram),
+            ("flatcake_staging_tokens", M.gauge), ("flatcake_server_ttft_seconds", M.histogram),
+            ("flatcake_staging_bytes", M.gauge), ("flatcake_placed_pages", M.counter),
+            ("flatcake_placed_reused_pages", M.counter),
+        )}  # fmt: skip
+        self.m: dict[str, Any] = m
+        # Series exist from the start (at 0), so dashboards and alerts see them before the first event.
+        per_system = (
+            "flatcake_requests",
+            "flatcake_prompt_tokens",
+            "flatcake_prefetch_declined",
+            "flatcake_prefetch_retries",
+            "flatcake_prefetch_seconds",
+            "flatcake_ssd_restore_bytes",
+            "flatcake_ssd_restore_busy_seconds",
+            "flatcake_staging_tokens",
+            "flatcake_staging_bytes",
+            "flatcake_server_ttft_seconds",
+        )
+        for name in per_system:
+            m[name].labels(cfg.mode)
+        self._token_bytes = cfg.layers * cfg.bytes_per_token_layer
+        self._ssd_inflight, self._ssd_busy_since = 0, 0.0
+        engine = self.storage.engine
+        if engine is not None:  # FlatCake: what its bounded restore windows hold, read at scrape time
+            gauge = m["flatcake_staging_bytes"]
+            assert isinstance(gauge, Gauge)
+            gauge.labels(cfg.mode).set_function(lambda: engine.staging_bytes)
+        for medium in ("hbm", "dram", "ssd"):
+            m["flatcake_hit_tokens"].labels(cfg.mode, medium)
+        for medium in ("dram", "ssd"):
+            m["flatcake_placed_pages"].labels(cfg.mode, medium)
+            m["flatcake_placed_reused_pages"].labels(cfg.mode, medium)
+        for reason in ("uncached", "declined", "not_prefetched", "failed"):
+            m["flatcake_miss_tokens"].labels(cfg.mode, reason)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._cond = asyncio.Condition()
+        if self.sglang_like:
+            self._io_queue = asyncio.Queue()
+            self._tasks.append(asyncio.create_task(self._tiered_gpu_loop()))
+            self._tasks.append(asyncio.create_task(self._tiered_prefetch_loop()))
+            return
+        self._tasks.append(asyncio.create_task(self._gpu_loop()))
+        for _ in range(self.cfg.prefetchers):
+            self._tasks.append(asyncio.create_task(self._prefetch_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._writer.shutdown(wait=True)
+        self._prefetch_io.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+        self.storage.close()
+
+    # ---- one request -----------------------------------------------------------------------------
+    async def prefill(self, tokens: Sequence[int]) -> Outcome:
+        """Admit, prefetch, schedule and prefill one prompt; returns when its first token is ready.
+
+        At arrival the prefix is looked up; pages found on SSD are prefetched into HBM in the
+        background (pinned there until this request's prefill). At dispatch whatever is not in HBM
+        by then is looked up again and loaded inline (DRAM, or pages stored meanwhile)."""
+        assert self._cond is not None
+        cfg = self.cfg
+        out = Outcome(len(tokens), arrival=time.monotonic())
+        keys = page_keys(tokens, cfg.page_tokens)
+        self._mark_reused(keys)
+        hbm = self._hbm_prefix(keys)
+        media = await asyncio.get_running_loop().run_in_executor(self._pool, self.storage.media, keys[hbm:])
+        n_dram = media.index("ssd") if "ssd" in media else len(media)
+        ssd_keys = keys[hbm + n_dram : hbm + len(media)]
+        job = _Job(next(self._ids), keys, ssd_keys, out)
+        async with self._cond:
+            if self.sglang_like:
+                self._try_prefetch(job)
+                self.waiting.append(job)
+                self._tiered_depths()
+            else:
+                req = Request(str(job.id), out.arrival, ssd_bytes=len(ssd_keys) * cfg.page_span)
+                self._jobs[req.id] = job
+                out.queue = self.sched.arrive(req)
+                self._depths()
+            self._cond.notify_all()
+        await job.done.wait()
+        return out
+
+    def _mark_reused(self, keys: list[str]) -> None:
+        for key in keys:
+            medium = self.placed.get(key)
+            if medium is not None and key not in self.reused:
+                self.reused.add(key)
+                self.m["flatcake_placed_reused_pages"].labels(self.cfg.mode, medium).inc()
+
+    def _depths(self) -> None:
+        for queue, depth in self.sched.depths().items():
+            self.m["flatcake_queue_depth"].labels(self.cfg.mode, queue).set(depth)
+
+    def _tiered_depths(self) -> None:
+        self.m["flatcake_queue_depth"].labels(self.cfg.mode, "waiting").set(len(self.waiting))
+
+    def _hbm_prefix(self, keys: list[str]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.hbm:
+            n += 1
+        self._touch(keys[:n])
+        return n
+
+    def _touch(self, keys: list[str]) -> None:
+        # Deepest page first, so the prefix is the most recently used: eviction then takes the
+        # tails of prefixes first, as a radix-tree cache evicts leaves (a page never outlives its prefix).
+        for key in reversed(keys):
+            self.hbm[key] = None
+            self.hbm.move_to_end(key)
+
+    def _pin(self, keys: Sequence[str], delta: int) -> None:
+        for key in keys:
+            n = self.pinned.get(key, 0) + delta
+            if n > 0:
+                self.pinned[key] = n
+            else:
+                self.pinned.pop(key, None)
+
+    def _hbm_insert(self, keys: list[str]) -> None:
+        self._touch(keys)
+        excess = len(self.hbm) - self.hbm_pages
+        for key in list(itertools.islice(self.hbm, max(0, excess) + len(self.pinned))):
+            if excess <= 0:
+                break
+            if key not in self.pinned:
+                del self.hbm[key]
+                excess -= 1
+
+    def _staging_add(self, tokens: int) -> None:
+        self.staging_tokens += tokens
+        self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
+        self.m["flatcake_staging_bytes"].labels(self.cfg.mode).set(self.staging_tokens * self._token_bytes)
+
+    async def _restore(self, pool: ThreadPoolExecutor, keys: list[str], ssd_pages: int, promote: bool = False) -> int:
+        """``storage.restore`` on ``pool``; restores that read SSD pages count their bytes and the time with
+        any of them in flight (the storage's rate as this run sees it: ``simulate --validate`` uses it)."""
+        loop = asyncio.get_running_loop()
+        if not ssd_pages:
+            return await loop.run_in_executor(pool, self.storage.restore, keys, promote)
+        if not self._ssd_inflight:
+            self._ssd_busy_since = time.monotonic()
+        self._ssd_inflight += 1
+        try:
+            got = await loop.run_in_executor(pool, self.storage.restore, keys, promote)
+        finally:
+            self._ssd_inflight -= 1
+            if not self._ssd_inflight:
+                busy = time.monotonic() - self._ssd_busy_since
+                self.m["flatcake_ssd_restore_busy_seconds"].labels(self.cfg.mode).inc(busy)
+        self.m["flatcake_ssd_restore_bytes"].labels(self.cfg.mode).inc(min(got, ssd_pages) * self.cfg.page_span)
+        return got
+
+    # ---- FlatCake: FC-MAS (or FCFS) queues, prefetches that wait for window space ---------------
+    async def _prefetch_loop(self) -> None:
+        """SSD prefetches, in the scheduler's order (HRRN by volume for FlatCake, arrival for FCFS)."""
+        assert self._cond is not None
+        while True:
+            async with self._cond:
+                req = None
+                while req is None:
+                    req = self.sched.next_prefetch(time.monotonic())
+                    if req is None:
+                        await self._cond.wait()
+            job = self._jobs[req.id]
+            started = time.monotonic()
+            # FlatCake streams into HBM through its bounded window, which waits when full and never declines.
+            got = await self._restore(self._pool, job.ssd_keys, len(job.ssd_keys))
+            self._prefetched(job, job.ssd_keys[:got])
+            self.m["flatcake_prefetch_seconds"].labels(self.cfg.mode).observe(time.monotonic() - started)
+            async with self._cond:
+                self.sched.prefetch_done(req.id)
+                self._depths()
+                self._cond.notify_all()
+
+    def _prefetched(self, job: _Job, keys: list[str]) -> None:
+        for key in keys:
+            job.prefetched[key] = "ssd"
+        self._pin(keys, +1)
+        self._hbm_insert(keys)
+
+    async def _gpu_loop(self) -> None:
+        """One GPU: prefills one request at a time, in the scheduler's dispatch order."""
+        assert self._cond is not None
+        while True:
+            async with self._cond:
+                req = None
+                while req is None:
+                    req = self.sched.next_dispatch()
+                    if req is None:
+                        await self._cond.wait()
+                self._depths()
+            await self._run_prefill(self._jobs.pop(req.id))
+
+    # ---- tiered: SGLang HiCache's prefetch and scheduling rules ----------------------------------
+    def _try_prefetch(self, job: _Job) -> None:
+        """Start the job's storage prefetch, or decline it (retried at later passes) while the tokens
+        in flight reach half the host pool. Called under the condition's lock."""
+        tokens = len(job.ssd_keys) * self.cfg.page_tokens
+        job.retry = False
+        if self.cfg.mode != "tiered" or not hicache.worth_prefetching(tokens):
+            return
+        if hicache.rate_limited(self.staging_tokens, self.host_pool_tokens):
+            if job.attempts:
+                self.m["flatcake_prefetch_retries"].labels(self.cfg.mode).inc()
+            else:
+                self.m["flatcake_prefetch_declined"].labels(self.cfg.mode).inc()
+            job.attempts += 1
+            job.retry = job.attempts <= hicache.RETRY_MAX_ATTEMPTS
+            return
+        if job.attempts:
+            self.m["flatcake_prefetch_retries"].labels(self.cfg.mode).inc()
+        job.op = hicache.Prefetch(pages=len(job.ssd_keys))
+        job.staged = tokens
+        self._staging_add(tokens)
+        assert self._io_queue is not None
+        self._io_queue.put_nowait(job)
+
+    async def _tiered_prefetch_loop(self) -> None:
+        """SGLang's prefetch I/O thread: one operation at a time, in 128-page batches, stopping between
+        batches once the scheduler has terminated it. Arrived pages are held in HBM for the request
+        (SGLang holds them in its host pool until the request loads them) and join the host tier."""
+        assert self._cond is not None and self._io_queue is not None
+        while True:
+            job = await self._io_queue.get()
+            op = job.op
+            assert op is not None
+            started = time.monotonic()
+            for lo in range(0, op.pages, hicache.STORAGE_BATCH_PAGES):
+                if op.terminated:
+                    break
+                batch = job.ssd_keys[lo : lo + hicache.STORAGE_BATCH_PAGES]
+                got = await self._restore(self._prefetch_io, batch, len(batch), promote=True)
+                async with self._cond:
+                    if not op.terminated:  # a stopped prefetch's late pages are not the request's
+                        self._prefetched(job, batch[:got])
+                        op.completed += got
+                    self._cond.notify_all()
+                if got < len(batch):
+                    break
+            self.m["flatcake_prefetch_seconds"].labels(self.cfg.mode).observe(time.monotonic() - started)
+            async with self._cond:
+                op.finished = True
+                self._cond.notify_all()
+
+    def _next_tiered(self, now: float) -> tuple[_Job | None, float | None]:
+        """One scheduling pass over the FCFS waiting queue: retry declined prefetches, skip requests
+        whose prefetch may not stop yet, and take the first that may run. Returns it, or the time
+        of the next timeout deadline to wake at."""
+        wake: float | None = None
+        pt = self.cfg.page_tokens
+        for job in self.waiting:
+            if job.retry:
+                self._try_prefetch(job)
+            op = job.op
+            if op is not None and not op.terminated:
+                if not op.may_stop(self.cfg.prefetch_policy, now, pt):
+                    deadline = op.deadline(pt) if self.cfg.prefetch_policy == "timeout" else None
+                    if deadline is not None:
+                        wake = deadline if wake is None else min(wake, deadline)
+                    continue
+                op.terminated = True
+            self.waiting.remove(job)
+            return job, None
+        return None, wake
+
+    async def _tiered_gpu_loop(self) -> None:
+        assert self._cond is not None
+        while True:
+            async with self._cond:
+                while True:
+                    job, wake = self._next_tiered(time.monotonic())
+                    if job is not None:
+                        break
+                    timeout = None if wake is None else max(0.0, wake - time.monotonic()) + 1e-3
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._cond.wait(), timeout)
+                if job.staged:  # the prefetch is handled: its tokens leave the in-flight count
+                    self._staging_add(-job.staged)
+                    job.staged = 0
+                if job.retry or (job.attempts and job.op is None):
+                    job.declined = len(job.ssd_keys)  # scheduled before any retry got capacity
+                self._tiered_depths()
+            await self._run_prefill(job)
+
+    # ---- the prefill itself, for every mode ------------------------------------------------------
+    async def _run_prefill(self, job: _Job) -> None:
+        loop = asyncio.get_running_loop()
+        cfg = self.cfg
+        out = job.outcome
+        out.prefill_start = time.monotonic()
+        self.m["flatcake_queue_wait_seconds"].labels(cfg.mode, out.queue).observe(out.prefill_start - out.arrival)
+        keys = job.keys
+        hits = out.hit_pages
+        cached = 0
+        prefetched = dict(job.prefetched)
+        # Walk the prefix: pages in HBM (resident, or prefetched for this request), then pages
+        # looked up again in storage (stored since arrival count), then HBM again, and so on.
+        while True:
+            while cached < len(keys) and keys[cached] in self.hbm:
+                hits[prefetched.get(keys[cached], "hbm")] += 1
+                cached += 1
+            if cached == len(keys):
+                break
+            late = await loop.run_in_executor(self._pool, self.storage.media, keys[cached:])
+            cut = cfg.mode == "tiered" and "ssd" in late
+            if cut:
+                # SGLang reads storage only through a prefetch; pages not brought by it (declined,
+                # stopped early, or stored since admission) are recomputed. FlatCake restores them
+                # now, layer-pipelined through its window.
+                if job.declined:
+                    job.declined = min(job.declined, len(late) - late.index("ssd"))
+                else:
+                    out.unprefetched_pages += len(late) - late.index("ssd")
+                late = late[: late.index("ssd")]
+            got = await self._restore(self._pool, keys[cached : cached + len(late)], late.count("ssd"))
+            for medium in late[:got]:
+                hits[medium] += 1
+            out.failed_pages += len(late) - got
+            cached += got
+            if cut or not late or got < len(late):
+                break
+        self._touch(keys[:cached])
+        out.declined_pages += job.declined
+        miss_tokens = out.prompt_tokens - cached * cfg.page_tokens
+        await asyncio.sleep(cfg.prefill_seconds(miss_tokens, cached * cfg.page_tokens))
+        self._pin(list(job.prefetched), -1)
+        self._hbm_insert(keys)  # the whole prompt is in HBM after prefill
+        new = keys[cached:]
+        if new:
+            parent = keys[cached - 1] if cached else None
+            kids = self.children.setdefault(parent, set()) if parent else {new[0]}
+            kids.add(new[0])
+            # New pages stay in HBM until their write-back is done (HiCache evicts only backed-up
+            # pages), so a next turn arriving meanwhile still finds them.
+            self._pin(new, +1)
+            done = self._writer.submit(self._store, new, parent, out.prompt_tokens, len(kids))
+            done.add_done_callback(self._unpin_later(loop, new))
+            self._writes.add(done)
+            done.add_done_callback(lambda f: loop.call_soon_threadsafe(self._writes.discard, f))
+        out.first_token = time.monotonic()
+        self._count(out, miss_tokens)
+        job.done.set()
+
+    def _unpin_later(self, loop: asyncio.AbstractEventLoop, keys: list[str]) -> Callable[[Future[None]], None]:
+        """A done-callback (run on the writer thread) that unpins ``keys`` on the event loop."""
+
+        def unpin(_: Future[None]) -> None:
+            loop.call_soon_threadsafe(self._pin, keys, -1)
+
+        return unpin
+
+    def _store(self, keys: list[str], parent: str | None, context_tokens: int, refcount: int) -> None:
+        try:
+            placed = self.storage.store(keys, parent, context_tokens, refcount)
+        except Exception:  # a background write must not die silently
+            log.exception("storing %d pages failed", len(keys))
+            return
+        for key, medium in zip(keys, placed, strict=False):
+            if key not in self.placed:
+                self.placed[key] = medium
+                self.m["flatcake_placed_pages"].labels(self.cfg.mode, medium).inc()
+
+    def _count(self, out: Outcome, miss_tokens: int) -> None:
+        mode, pt = self.cfg.mode, self.cfg.page_tokens
+        self.m["flatcake_requests"].labels(mode).inc()
+        self.m["flatcake_prompt_tokens"].labels(mode).inc(out.prompt_tokens)
+        for medium, pages in out.hit_pages.items():
+            self.m["flatcake_hit_tokens"].labels(mode, medium).inc(pages * pt)
+        declined, failed = out.declined_pages * pt, max(0, out.failed_pages) * pt
+        late = out.unprefetched_pages * pt
+        self.m["flatcake_miss_tokens"].labels(mode, "declined").inc(declined)
+        self.m["flatcake_miss_tokens"].labels(mode, "failed").inc(failed)
+        self.m["flatcake_miss_tokens"].labels(mode, "not_prefetched").inc(late)
+        self.m["flatcake_miss_tokens"].labels(mode, "uncached").inc(max(0, miss_tokens - declined - failed - late))
+        self.m["flatcake_server_ttft_seconds"].labels(mode).observe(out.first_token - out.arrival)
+
+    async def decode(self, n: int) -> AsyncIterator[int]:
+        step = self.cfg.decode_seconds_per_token()
+        for i in range(n):
+            await asyncio.sleep(step)
+            yield i
+
+    async def flush_hbm(self) -> int:
+        """Drop HBM's prefix cache (SGLang's ``/flush_cache``): the next requests start cold on the GPU
+        and find their prefixes in the storage under test, which keeps everything. Write-backs still
+        running are waited for first (their pages are pinned in HBM until stored), so a flush that
+        returns has dropped every page of every answered request, however slow the storage is. Pages
+        prefetched for a request still waiting stay. Returns the pages dropped."""
+        while self._writes:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in list(self._writes)), return_exceptions=True)
+            await asyncio.sleep(0)  # the writer's unpin callbacks, queued before the gather woke, run now
+        drop = [key for key in self.hbm if key not in self.pinned]
+        for key in drop:
+            del self.hbm[key]
+        return len(drop)
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    keys: list[str]
+    ssd_keys: list[str]  # found on SSD at arrival: prefetched in the background
+    outcome: Outcome
+    declined: int = 0
+    staged: int = 0  # tiered: tokens counted in flight until the request is scheduled
+    op: hicache.Prefetch | None = None  # tiered: its storage prefetch
+    attempts: int = 0  # tiered: declined prefetch attempts
+    retry: bool = False  # tiered: declined, to be retried at the next scheduling pass
+    prefetched: dict[str, str] = field(default_factory=dict)  # key -> medium it was prefetched from
+    done: asyncio.Event = field(default_factory=asyncio.Event)

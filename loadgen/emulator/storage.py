@@ -1,0 +1,127 @@
+"""What each emulator mode stores and restores behind HBM: FlatCake's engine (in process, or a node
+agent's client), the tiered baselines, or nothing; real bytes on this machine's disk."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from flatcake.loadgen.emulator.config import EmulatorConfig, MiB
+from flatcake.loadgen.systems.tiered import TieredStore
+from flatcake.node_agent import (
+    SSD_THRESHOLD,
+    DramConfig,
+    Engine,
+    EngineConfig,
+    Hints,
+    IOConfig,
+    SsdConfig,
+    ThreadBuffers,
+    aligned_empty,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Storage:
+    """What each mode stores and restores behind HBM."""
+
+    def __init__(self, cfg: EmulatorConfig) -> None:
+        self.cfg = cfg
+        root = Path(cfg.data_dir) / cfg.mode
+        root.mkdir(parents=True, exist_ok=True)
+        self.engine: Engine | None = None
+        self.tiered: TieredStore | None = None
+        # The bytes written for new pages: a few pages' worth, reused (their content is irrelevant).
+        chunk = max(1, min(64, (64 * MiB) // cfg.page_span))
+        self._kv = aligned_empty((cfg.layers, chunk, cfg.page_bytes))
+        self._kv[...] = np.random.default_rng(0).integers(0, 256, size=self._kv.shape, dtype=np.uint8)
+        self._dests = ThreadBuffers()  # restores land in a reused host buffer, as in a serving engine's pool
+        if cfg.mode == "flatcake":
+            if cfg.agent_socket:
+                from flatcake.node_agent import connect
+
+                self.engine = connect(cfg.agent_socket, layers=cfg.layers, page_bytes=cfg.page_bytes)
+            else:
+                self.engine = Engine(engine_config(cfg, root))
+        elif cfg.mode in ("tiered", "dram"):
+            bucket = max(cfg.page_span, (64 * MiB) // cfg.page_span * cfg.page_span)
+            self.tiered = TieredStore(root, layers=cfg.layers, page_bytes=cfg.page_bytes,
+                                      dram_pages=max(1, cfg.dram_bytes // cfg.page_span), bucket_bytes=bucket,
+                                      buckets=-(-cfg.ssd_bytes // bucket) if cfg.mode == "tiered" else 0,
+                                      workers=4, reader="whole_page")  # fmt: skip
+
+    def media(self, keys: list[str]) -> list[str]:
+        """Medium of each page of the stored prefix of ``keys``."""
+        if self.engine is not None:
+            hit = self.engine.exists(keys)
+            if not hit:
+                return []
+            lease = self.engine.catalog.acquire(keys[:hit])
+            self.engine.catalog.release(lease.id)
+            return ["ssd" if loc.gva >= SSD_THRESHOLD else "dram" for loc in lease.locations]
+        if self.tiered is not None:
+            return self.tiered.media(keys)
+        return []
+
+    def restore(self, keys: list[str], promote: bool = False) -> int:
+        """Bring pages to HBM (really read them); returns how many of the leading pages arrived.
+        ``promote``: the tiered host tier keeps what was read from SSD (a finished SGLang prefetch)."""
+        if not keys:
+            return 0
+        dest = self._dests.get((self.cfg.layers, len(keys), self.cfg.page_bytes))
+        if self.engine is not None:
+            try:
+                with self.engine.get(keys, dest) as restore:
+                    missing = restore.run()
+            except KeyError:  # reclaimed between lookup and restore: recompute
+                return 0
+            return min(missing) if missing else len(keys)
+        if self.tiered is not None:
+            media = self.tiered.media(keys)
+            if self.tiered.restore(keys[: len(media)], dest):
+                return 0  # a page went missing during the read: the batch is not used
+            if promote:
+                self.tiered.promote(keys[: len(media)], dest)
+            return len(media)
+        return 0
+
+    def store(self, keys: list[str], parent: str | None, context_tokens: int, refcount: int) -> list[str]:
+        """Write-through of newly computed pages (in the background; not on the TTFT path). Returns
+        where each stored page was placed (FlatCake), for placement accuracy."""
+        placed: list[str] = []
+        for lo in range(0, len(keys), self._kv.shape[1]):
+            chunk = keys[lo : lo + self._kv.shape[1]]
+            kv = aligned_empty((self.cfg.layers, len(chunk), self.cfg.page_bytes))  # contiguous, as put wants
+            kv[...] = self._kv[:, : len(chunk)]
+            if self.engine is not None:
+                hints = Hints(prefix_refcount=refcount, turn=2 if parent else 1,
+                              context_tokens=context_tokens, parent_key=parent)  # fmt: skip
+                try:
+                    self.engine.put(chunk, kv, hints)
+                except (OSError, RuntimeError, ValueError) as exc:  # pool full: the pages stay uncached
+                    log.warning("store failed: %s", exc)
+                    return placed
+                placed += self.media(chunk)
+                parent = chunk[-1]
+            elif self.tiered is not None:
+                self.tiered.put(chunk, kv)
+        return placed
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        if self.tiered is not None:
+            self.tiered.close()
+
+
+def engine_config(cfg: EmulatorConfig, root: Path) -> EngineConfig:
+    files = max(4, cfg.ssd_bytes // cfg.scope_file_bytes)
+    return EngineConfig(
+        layers=cfg.layers, page_bytes=cfg.page_bytes, page_tokens=cfg.page_tokens,
+        dram=DramConfig(bytes=cfg.dram_bytes, huge_pages=False, shm_dir=str(root), name="emulator-dram"),
+        ssd=SsdConfig(dir=str(root / "pool"), file_bytes=cfg.scope_file_bytes, file_count=files),
+        io=IOConfig(backend="posix", workers=2, staging_slot_bytes=max(cfg.page_bytes, 2 * MiB)),
+    )  # fmt: skip
