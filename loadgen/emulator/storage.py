@@ -97,8 +97,7 @@ class Storage:
             kv = aligned_empty((self.cfg.layers, len(chunk), self.cfg.page_bytes))  # contiguous, as put wants
             kv[...] = self._kv[:, : len(chunk)]
             if self.engine is not None:
-                hints = Hints(prefix_refcount=refcount, turn=2 if parent else 1,
-                              context_tokens=context_tokens, parent_key=parent)  # fmt: skip
+                hints = put_hints(parent, refcount, len(keys) * self.cfg.page_tokens, context_tokens)
                 try:
                     self.engine.put(chunk, kv, hints)
                 except (OSError, RuntimeError, ValueError) as exc:  # pool full: the pages stay uncached
@@ -115,6 +114,18 @@ class Storage:
             self.engine.close()
         if self.tiered is not None:
             self.tiered.close()
+
+
+def put_hints(parent: str | None, siblings: int, appended_tokens: int, context_tokens: int) -> Hints:
+    """What SGLang's backend tells FlatCake about the same put (node_agent/sglang/signals.py): pages after
+    a prefix other requests also continue (``siblings`` > 1, the prefix's children counting this one)
+    begin a session of their own, turn 1; pages that continue the only child of their prefix are a
+    session's next turn, reporting the tokens it appended. The new pages themselves are shared by no
+    one yet (``prefix_refcount`` 1): the count describes their parent. Sending them to DRAM as shared
+    prompts or short chats filled the DRAM tier with sessions reclaimed before they came back."""
+    if parent is None or siblings > 1:
+        return Hints(turn=1, context_tokens=context_tokens, parent_key=parent)
+    return Hints(turn=2, prev_reply_tokens=(appended_tokens,), context_tokens=context_tokens, parent_key=parent)
 
 
 def engine_config(cfg: EmulatorConfig, root: Path) -> EngineConfig:
