@@ -328,8 +328,12 @@ class FlatCake(System):
         parent = keys[cached - 1] if cached else None
         kids = self.children[inst.node].setdefault(parent, set())
         kids.add(keys[cached])
-        hints = Hints(prefix_refcount=len(kids) if parent is not None else 1, turn=req.turn,
-                      prev_reply_tokens=req.prev_reply_tokens, context_tokens=req.input_tokens)  # fmt: skip
+        # As SGLang's backend derives them (node_agent/sglang/signals.py; the emulator's put_hints): the new
+        # pages are shared by no one yet; after a prefix other requests also continue they begin a session
+        # of their own (turn 1). The parent's child count is the parent's refcount, not theirs.
+        branch = parent is not None and len(kids) > 1
+        hints = Hints(turn=1 if branch else req.turn, prev_reply_tokens=() if branch else req.prev_reply_tokens,
+                      context_tokens=req.input_tokens)  # fmt: skip
         try:
             alloc = catalog.allocate(keys, hints)
         except CapacityError:
