@@ -2,8 +2,9 @@
 
 Write path (FC-GVA): placement picks the medium once; space is reserved (GVAs allocated), bytes are
 written, and only then are the keys published. Read path (FC-CIO): keys resolve to locations, SSD
-page-layers are sorted and merged into few large reads, streamed layer by layer through a bounded
-window and scattered into the caller's (non-contiguous) page slots.
+page-layers are sorted and merged into few large reads that land in place in host memory
+(``host_restore``), or stream layer by layer through a bounded window into device memory, scattered
+into the caller's (non-contiguous) page slots (``restore``).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class _Located:
         self.file, self.base = np.divmod(self.offsets[self.ssd], c.ssd.file_bytes)
         self.ssd_stride = strides[self.ssd]
         self.ssd_dest = dst[self.ssd]
-        self.dram_src = self.offsets[~self.on_ssd] // (c.layers * c.page_bytes)
+        self.slot = self.offsets // (c.layers * c.page_bytes)  # a DRAM page's pool slot (meaningless on SSD)
+        self.dram_src = self.slot[~self.on_ssd]
         self.dram_dst = dst[~self.on_ssd]
 
 
@@ -323,9 +325,8 @@ class Engine:
         if want is not None:
             ssd = np.flatnonzero(want[at.ssd] >= 0)
             dram = np.flatnonzero(~at.on_ssd & (want >= 0)) if mode == "all" else np.zeros(0, np.int64)
-            slots = at.offsets[dram] // (c.layers * c.page_bytes)
             if len(ssd) or len(dram):
-                check = Check(ssd, want[at.ssd][ssd], dram, slots, want[dram])
+                check = Check(ssd, want[at.ssd][ssd], dram, at.slot[dram], want[dram])
         return HostRestore(
             layers=c.layers,
             plan=plan,

@@ -1,7 +1,8 @@
 """FC-CIO restore into host memory: merged reads straight into the destination, checked as they land.
 
 The plan (``policy.coalesce.plan_host``) merges a segment's layers into commands as large as the layout
-allows; every command goes to the process's ``ReadQueue`` at once, and its threads run them. Where the
+allows; the commands go to the process's ``ReadQueue``, layer 0's first and the rest once they have
+landed (together they would share the device and hold layer 0 back), and its threads run them. Where the
 destination's page-layers are O_DIRECT-aligned and whole (the engine's own ``[layers][slots][page_bytes]``
 buffer, a host pool whose rows are page-sized), a command is one ``preadv`` into the destination's rows,
 with bridged holes read into a per-thread sink: no staging, no second copy. Otherwise (rows cut into
@@ -18,14 +19,14 @@ from __future__ import annotations
 import errno
 import itertools
 import threading
-import warnings
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from flatcake.node_agent.catalog.checksum import LayerFold, crc32
+from flatcake.node_agent.datapath.layer_stream import LayerStream
 from flatcake.node_agent.datapath.read_queue import Stream, Worker
 from flatcake.node_agent.datapath.stats import Stats
 from flatcake.node_agent.datapath.target import PagedTarget
@@ -58,7 +59,7 @@ def direct_ok(target: PagedTarget, pages: Ints, page_bytes: int, align: int) -> 
     return not len(pages) or not (target.page_offsets[pages] % align).any()
 
 
-class HostRestore(Iterator[int]):
+class HostRestore(LayerStream):
     """Yields layer indexes in order; when layer ``l`` is yielded its bytes are in the destination.
 
     After iteration ``missing`` holds the request indexes of pages that failed to read or to match their
@@ -82,8 +83,6 @@ class HostRestore(Iterator[int]):
         check: Check | None = None,
         dram_rows: Callable[[int], memoryview] | None = None,
     ) -> None:
-        self.missing: set[int] = set()
-        self.staging_peak_bytes = 0
         self.direct = direct
         self._layers, self._plan, self._target = layers, plan, target
         self._ssd_dest, self._request_index, self._page_bytes = ssd_dest, request_index, page_bytes
@@ -103,8 +102,7 @@ class HostRestore(Iterator[int]):
         self._piece_layer, self._piece_page = np.divmod(cmds.piece_index, max(plan.pages, 1))
         if direct:
             self._spans = self._direct_spans()
-        self._finished = False
-        self._gen = self._run()
+        self.start()
 
     # ---- planning (the restore's thread) --------------------------------------------------------------
     def _direct_spans(self) -> tuple[Ints, Ints, Ints]:
@@ -250,15 +248,6 @@ class HostRestore(Iterator[int]):
             self._stream.submit(int(cmds.length[c]), self._job(c))
 
     # ---- the restore's thread -------------------------------------------------------------------------
-    def __next__(self) -> int:
-        return next(self._gen)
-
-    def run(self) -> set[int]:
-        """Restore every layer; returns the missing page indexes."""
-        for _ in self:
-            pass
-        return self.missing
-
     def _whole(self, layer: int) -> bool:
         return sum(self._landed[: layer + 1]) >= int(self._need[layer])
 
@@ -303,11 +292,6 @@ class HostRestore(Iterator[int]):
             self._stats.add("verify_failures", len(bad))
             self._stats.add("pages_missing", len(bad))
 
-    def close(self) -> None:
-        """Stop early: commands not started are dropped, running ones finish, then the lease is released."""
-        self._gen.close()
-        self._finish()
-
     def _finish(self) -> None:
         if self._finished:
             return
@@ -318,14 +302,3 @@ class HostRestore(Iterator[int]):
         self._stream.wait_idle()  # no read may land in the destination after the caller takes it back
         self._stats.peak("staging_peak_bytes", self.staging_peak_bytes)
         self._on_close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_finished", True):
-            warnings.warn("a Restore was not closed; use it as a context manager", ResourceWarning, stacklevel=1)
-            threading.Thread(target=self.close, name="flatcake-restore-finalizer", daemon=True).start()
-
-    def __enter__(self) -> HostRestore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -12,9 +12,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import threading
-import warnings
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from typing import Any
 
@@ -24,6 +23,7 @@ import numpy.typing as npt
 from flatcake.node_agent.catalog.checksum import crc32
 from flatcake.node_agent.datapath.buffers import aligned_empty
 from flatcake.node_agent.datapath.io_backends import IOBackend
+from flatcake.node_agent.datapath.layer_stream import LayerStream
 from flatcake.node_agent.datapath.stats import Stats
 from flatcake.node_agent.policy.coalesce import Fill
 
@@ -182,7 +182,7 @@ class StreamOrder:
             self.reuse(slot)
 
 
-class Restore(Iterator[int]):
+class Restore(LayerStream):
     """Yields layer indexes in order; when layer ``l`` is yielded its bytes are in the destination.
 
     After iteration ``missing`` holds the indexes (into the requested keys) of pages whose bytes could
@@ -206,50 +206,19 @@ class Restore(Iterator[int]):
         verify: StagedVerifier | None = None,
         order: StreamOrder | None = None,
     ) -> None:
-        self.missing: set[int] = set()
         self._order = order
         self._verify = verify
-        self.staging_peak_bytes = 0
         self._layers, self._fills, self._dest_pages = layers, fills, dest_pages
         self._request_index = request_index  # plan index -> position in the caller's key list
         self._io, self._windows, self._scatter, self._copy_dram = io, windows, scatter, copy_dram
         self._stats, self._on_close = stats, on_close
-        self._finished = False
-        self._gen = self._run()
-
-    def __next__(self) -> int:
-        return next(self._gen)
-
-    def close(self) -> None:
-        """Stop early: in-flight reads drain, then the window and the pins are released. Call it (or
-        use the restore as a context manager): releasing pins may be a call to the node agent."""
-        self._gen.close()
-        self._finish()  # the generator's own cleanup does not run if it never started
-
-    def __del__(self) -> None:
-        # A safety net only. The finalizer may run in any thread at any point, even one that holds the
-        # agent connection's lock, so it never releases here: a short-lived thread does, when it can.
-        if not self._finished:
-            warnings.warn("a Restore was not closed; use it as a context manager", ResourceWarning, stacklevel=1)
-            threading.Thread(target=self.close, name="flatcake-restore-finalizer", daemon=True).start()
+        self.start()
 
     def _finish(self) -> None:
         if not self._finished:
             self._finished = True
             self._stats.peak("staging_peak_bytes", self.staging_peak_bytes)
             self._on_close()
-
-    def __enter__(self) -> Restore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def run(self) -> set[int]:
-        """Restore every layer; returns the missing page indexes."""
-        for _ in self:
-            pass
-        return self.missing
 
     def _run(self) -> Generator[int, None, None]:
         window = self._windows.acquire() if self._fills else None

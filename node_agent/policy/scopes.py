@@ -65,9 +65,9 @@ class Scope:
         return sum(e.length for e in self.extents) if self.medium is Medium.SSD else len(self.slots)
 
 
-def _continues(scope: Scope, parent: Key) -> bool:
-    """Whether ``parent`` is ``scope``'s last published page: new pages after it extend the run."""
-    h1, h2 = key_digests([parent])
+def _continues(scope: Scope, parent: Digests) -> bool:
+    """Whether the parent (its digest) is ``scope``'s last published page: new pages after it extend the run."""
+    h1, h2 = parent
     return scope.keys.last() == (int(h1[0]), int(h2[0]))
 
 
@@ -253,9 +253,10 @@ class ScopeTable:
                 dup = [k for k, s in zip(keys, stored, strict=True) if s or k in self._pending]
                 if dup:
                     raise ValueError(f"keys: {dup[:3]!r} already stored or being written")
-            loc = self.lookup(parent) if parent is not None else None
+            pd = key_digests([parent]) if parent is not None else None  # hashed once: found, then compared
+            loc = as_locations(self.find_digests(pd))[0] if pd is not None else None
             scope = self.scopes.get(loc.scope) if loc is not None else None
-            if scope is not None and parent is not None and not _continues(scope, parent):
+            if scope is not None and pd is not None and not _continues(scope, pd):
                 # The parent lies inside another run (a shared prompt stored by another session): these
                 # pages do not continue that scope, so they get one of their own, placed by their hints.
                 # Joining would scatter every later reader's pages across the other session's segment.
