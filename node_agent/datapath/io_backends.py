@@ -174,15 +174,22 @@ def memory_api(kvikio: Any) -> tuple[Any, Any]:
     device array and (de)registers the whole CUDA allocation holding it."""
     if hasattr(kvikio, "memory_register"):
         return kvikio.memory_register, kvikio.memory_deregister
-    buffer = importlib.import_module(f"{kvikio.__name__}.buffer")
+    buffer = submodule(kvikio, "buffer")
     return buffer.memory_register, buffer.memory_deregister
+
+
+def submodule(kvikio: Any, name: str) -> Any:
+    """``kvikio.<name>``, imported when ``import kvikio`` did not bind it: 26.10 leaves ``defaults`` and
+    ``cufile_driver`` unimported (``kvikio.defaults`` raised AttributeError on the first H200 run)."""
+    found = getattr(kvikio, name, None)
+    return found if found is not None else importlib.import_module(f"{kvikio.__name__}.{name}")
 
 
 def set_kvikio_threads(kvikio: Any, threads: int) -> None:
     """kvikio's thread pool size, through whichever API this kvikio has: ``defaults.set`` (25.x) or
     ``defaults.num_threads_reset`` (24.x). kvikio splits each read into ``task_size`` chunks run on this
     pool; its default of one thread leaves one chunk in flight, far from what an NVMe queue needs."""
-    defaults = kvikio.defaults
+    defaults = submodule(kvikio, "defaults")
     if hasattr(defaults, "set"):
         defaults.set("num_threads", threads)
     else:
@@ -193,7 +200,7 @@ def kvikio_mode(kvikio: Any) -> str:
     """``gds`` or ``compat``: how kvikio will move bytes, as kvikio itself resolves it. 25.06+:
     ``defaults.is_compat_mode_preferred()`` (``compat_mode`` AUTO resolved against the cuFile driver);
     24.x: ``defaults.compat_mode()`` (a bool in 24.10; a ``CompatMode`` from 24.12, AUTO left unresolved)."""
-    defaults = kvikio.defaults
+    defaults = submodule(kvikio, "defaults")
     if hasattr(defaults, "is_compat_mode_preferred"):
         return "compat" if defaults.is_compat_mode_preferred() else "gds"
     value = defaults.compat_mode()

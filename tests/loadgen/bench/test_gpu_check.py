@@ -9,14 +9,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import pytest
 
 from flatcake.loadgen.bench import gpu_check as gc
 from flatcake.node_agent import ConfigError
-from flatcake.node_agent.datapath.io_backends import kvikio_mode
+from flatcake.node_agent.datapath.io_backends import kvikio_mode, set_kvikio_threads
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -66,6 +66,22 @@ def test_kvikio_mode_is_what_kvikio_resolves_in_each_api_generation() -> None:
     assert kvikio_mode(SimpleNamespace(defaults=SimpleNamespace(compat_mode=lambda: auto))) == "auto (unresolved)"
 
 
+@pytest.mark.unit
+def test_kvikio_submodules_that_import_kvikio_leaves_unbound_are_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvikio 26.10's ``import kvikio`` binds no ``defaults``: the first H200 run failed on the attribute."""
+    package = ModuleType("fake_kvikio_2610")
+    package.__path__ = []  # a package, as kvikio is
+    defaults = ModuleType("fake_kvikio_2610.defaults")
+    calls: list[tuple[str, int]] = []
+    defaults.set = lambda key, value: calls.append((key, value))  # type: ignore[attr-defined]
+    defaults.is_compat_mode_preferred = lambda: False  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+    monkeypatch.setitem(sys.modules, defaults.__name__, defaults)
+    assert not hasattr(package, "defaults")
+    set_kvikio_threads(package, 8)
+    assert calls == [("num_threads", 8)] and kvikio_mode(package) == "gds"
+
+
 @pytest.mark.integration
 def test_dry_run_prints_the_plan_and_rehearses_it_on_the_cpu(tmp_path: Path) -> None:
     # The checkout itself must not be on the path: its top-level `operator` package would shadow the
@@ -84,7 +100,8 @@ def test_dry_run_prints_the_plan_and_rehearses_it_on_the_cpu(tmp_path: Path) -> 
     for key in ("restore_gb_per_s", "raw_read_gb_per_s", "restore_vs_raw", "time_to_first_layer_s",
                 "staging_peak_bytes", "kvikio_mode", "gds_available"):  # fmt: skip
         assert key in report, key
-    ssd, dram = report["paths"]["ssd"], report["paths"]["pinned_dram"]
+    ssd, again, dram = report["paths"]["ssd"], report["paths"]["ssd_again"], report["paths"]["pinned_dram"]
+    assert again["served_from"] == ssd["served_from"] and again["pages_bad_checksum"] == again["pages_missing"] == 0
     pages = report["plan"]["pages"]
     assert ssd["served_from"] == {"ssd": pages, "dram": 0} and dram["served_from"] == {"dram": pages, "ssd": 0}
     assert ssd["pages_bad_checksum"] == dram["pages_bad_checksum"] == 0
