@@ -14,6 +14,9 @@ A tour in twenty lines:
 - ``connect(socket)`` is the same ``Engine`` whose catalog is the node agent: many processes on a node
   share one index and one allocator, and move the bytes themselves. ``spawn`` starts an agent process.
 - ``Scheduler`` orders requests by the slowest medium they need (FC-MAS); ``needs_ssd`` is its test.
+- ``ChainSignals`` derives a put's ``Hints`` from the key chains a serving engine names (continuations
+  make a prefix shared; a write continuing a session's last page is its next turn): the SGLang
+  backend's derivation, shared by every benchmark.
 - The pure policy behind them, for what-if tools that must run the agent's own decisions
   (``flatcake simulate``): ``decide`` (Table 2 placement, a ``Decision`` with its ``Reason``),
   ``ScopeTable`` (scopes, index, reclaim; ``Location``), ``plan_restore`` (FC-CIO read plans), ``hrrn``;
@@ -67,6 +70,7 @@ from flatcake.node_agent.policy.gva import SSD_THRESHOLD, Medium, needs_ssd
 from flatcake.node_agent.policy.placement import Decision, Hints, Key, Reason, decide
 from flatcake.node_agent.policy.scheduler import Request, Scheduler, hrrn
 from flatcake.node_agent.policy.scopes import Location, ScopeTable
+from flatcake.node_agent.policy.signals import ChainSignals
 from flatcake.node_agent.service import protocol
 from flatcake.node_agent.service.client import AgentConnection, RemoteCatalog, connect, open_index
 from flatcake.node_agent.service.main import spawn
@@ -76,6 +80,7 @@ __all__ = [
     "AgentConfig",
     "AgentConnection",
     "CapacityError",
+    "ChainSignals",
     "ConfigError",
     "Decision",
     "DramConfig",

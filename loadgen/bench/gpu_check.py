@@ -41,7 +41,6 @@ from flatcake.node_agent import (
     open_direct,
     round_up,
 )
-from flatcake.node_agent.datapath.io_backends import submodule
 
 MiB, GiB = 1 << 20, 1 << 30
 DEVICE_GIB = 2.0  # bytes restored into HBM per path (the issue asks for at least 2 GiB)
@@ -217,11 +216,7 @@ class CudaDevice:
         return np.asarray(array.get())
 
     def mode(self, engine: Engine) -> dict[str, Any]:
-        gds: bool | None = None
-        try:
-            gds = bool(submodule(self._kvikio, "cufile_driver").get("is_gds_available"))
-        except Exception:  # an older kvikio without the module or property, or no cuFile driver at all
-            gds = None
+        gds = getattr(engine.io, "gds_available", None)
         return {"kvikio_mode": getattr(engine.io, "mode", "unknown"), "gds_available": gds,
                 "io_backend": engine.io.name}  # fmt: skip
 

@@ -43,7 +43,7 @@ from flatcake.loadgen.systems.base import RestoreCounters, System, SystemSpec, p
 from flatcake.loadgen.systems.mooncake import MooncakeSystem
 from flatcake.loadgen.traces.formats import MOONCAKE_TRACE, read_trace
 from flatcake.loadgen.traces.sessions import Session, pick, sessions
-from flatcake.node_agent import ConfigError, Hints, aligned_empty, round_up
+from flatcake.node_agent import ChainSignals, ConfigError, aligned_empty, round_up
 
 MiB = 1 << 20
 PEERS = ("flatcake", "flatcake_engine", "hicache_file", "mooncake", "tiered", "tiered_naive")
@@ -218,16 +218,19 @@ def run_system(
         put_seconds = 0.0
         put_bytes = 0
         arrive = getattr(system, "arrive", None)  # a system that sees requests before their writes
-        seen: set[str] = set()
-        own_turns: dict[int, tuple[int, ...]] = {}  # session -> tokens of each put that stored pages of its own
+        # The hints a put carries are what SGLang's backend derives from the same chains (systems that
+        # are the backend, `flatcake`, derive them themselves).
+        signals = ChainSignals()
         for n, (i, t) in enumerate(w.order):
-            if arrive is not None and (n == 0 or w.order[n - 1][1] != t):
+            if n == 0 or w.order[n - 1][1] != t:
                 # A round's requests arrive together: each is looked up before any of them is written,
                 # as SGLang's hit query runs at arrival and its write-back after prefill.
                 for j, u in w.order:
                     if u == t:
                         before = [k for turn in w.sessions[j].turns[:u] for k in turn]
-                        arrive(w.sessions[j].turns[u], before[-1] if before else None)
+                        signals.observe(before, w.sessions[j].turns[u])
+                        if arrive is not None:
+                            arrive(w.sessions[j].turns[u], before[-1] if before else None)
             session = w.sessions[i]
             keys = session.turns[t]
             kv = aligned_empty((m.layers, len(keys), span))
@@ -235,20 +238,16 @@ def run_system(
                 kv[:, j] = page_bytes_for(key, m.layers, raw, span)
                 crcs[key] = _crc(kv[:, j, :raw])
             before = [k for turn in session.turns[:t] for k in turn]
-            context = (len(before) + len(keys)) * m.page_tokens
-            # The signals SGLang's backend derives for the same put (node_agent/sglang/signals.py): a session's
-            # own pages after a shared prompt begin its turn 1; each later turn reports the tokens it appended
-            # (page-granular). Without them Table 2 reads "no earlier reply" as a short chat.
-            own = [k for k in keys if k not in seen]
-            seen.update(own)
-            if own:
-                own_turns[i] = (*own_turns.get(i, ()), len(own) * m.page_tokens)
-            turns_so_far = own_turns.get(i, ())
-            hints = Hints(turn=max(1, len(turns_so_far)), context_tokens=context, prev_reply_tokens=turns_so_far[1:],
-                          parent_key=before[-1] if before else None)  # fmt: skip
+            runs = signals.write(before, keys, m.page_tokens)
             started = time.perf_counter()
-            system.put(keys, kv, hints)
+            for run in runs:  # a prompt shared by live requests is put apart from the session's own pages
+                part = kv
+                if len(runs) > 1:  # a slice of a layer-major buffer is strided: puts take aligned C order
+                    part = aligned_empty((m.layers, run.stop - run.start, span))
+                    part[...] = kv[:, run.start : run.stop]
+                system.put(keys[run.start : run.stop], part, run.hints())
             put_seconds += time.perf_counter() - started
+            signals.record(keys, runs)
             put_bytes += len(keys) * m.layers * raw
         placement = None
         placed = getattr(system, "placement", None)  # systems that place pages by medium (FlatCake)

@@ -45,6 +45,7 @@ from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.emulator.storage import Storage
 from flatcake.loadgen.systems import hicache
 from flatcake.node_agent import (
+    ChainSignals,
     Engine,
     Request,
     Scheduler,
@@ -100,9 +101,9 @@ class Emulator:
         self.hbm: OrderedDict[str, None] = OrderedDict()
         self.pinned: dict[str, int] = {}  # prefetched pages waiting for their prefill: not evicted
         self.hbm_pages = max(1, cfg.hbm_bytes // cfg.page_span)
-        # Write-time sharing signal: how many different continuations a page has had (a shared
-        # system prompt or a fork point has several; a session's own history has one).
-        self.children: dict[str | None, set[str]] = {}
+        # Write-time signals as SGLang's backend derives them from the key chains it is shown (lookups
+        # at arrival, write-backs after prefill): the backend's own ChainSignals.
+        self.signals = ChainSignals()
         self.sched = Scheduler(scheduler_policy(cfg, self.storage.engine))
         # Tiered (SGLang HiCache): the FCFS waiting queue, the tokens in flight in prefetches
         # (prefetch_tokens_occupied) against half the host pool, and the one prefetch I/O thread.
@@ -201,6 +202,7 @@ class Emulator:
         keys = page_keys(tokens, cfg.page_tokens)
         self._mark_reused(keys)
         hbm = self._hbm_prefix(keys)
+        self.signals.observe(keys[:hbm], keys[hbm:])  # SGLang's hit query names the chain past HBM
         media = await asyncio.get_running_loop().run_in_executor(self._pool, self.storage.media, keys[hbm:])
         n_dram = media.index("ssd") if "ssd" in media else len(media)
         ssd_keys = keys[hbm + n_dram : hbm + len(media)]
@@ -466,13 +468,10 @@ class Emulator:
         self._hbm_insert(keys)  # the whole prompt is in HBM after prefill
         new = keys[cached:]
         if new:
-            parent = keys[cached - 1] if cached else None
-            kids = self.children.setdefault(parent, set()) if parent else {new[0]}
-            kids.add(new[0])
             # New pages stay in HBM until their write-back is done (HiCache evicts only backed-up
             # pages), so a next turn arriving meanwhile still finds them.
             self._pin(new, +1)
-            done = self._writer.submit(self._store, new, parent, out.prompt_tokens, len(kids))
+            done = self._writer.submit(self._store, keys[:cached], new)
             done.add_done_callback(self._unpin_later(loop, new))
             self._writes.add(done)
             done.add_done_callback(lambda f: loop.call_soon_threadsafe(self._writes.discard, f))
@@ -488,9 +487,9 @@ class Emulator:
 
         return unpin
 
-    def _store(self, keys: list[str], parent: str | None, context_tokens: int, refcount: int) -> None:
+    def _store(self, prefix: list[str], keys: list[str]) -> None:
         try:
-            placed = self.storage.store(keys, parent, context_tokens, refcount)
+            placed = self.storage.store(prefix, keys, self.signals)
         except Exception:  # a background write must not die silently
             log.exception("storing %d pages failed", len(keys))
             return

@@ -4,18 +4,21 @@ agent's client), the tiered baselines, or nothing; real bytes on this machine's 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from flatcake.loadgen.emulator.config import EmulatorConfig, MiB
 from flatcake.loadgen.systems.tiered import TieredStore
 from flatcake.node_agent import (
     SSD_THRESHOLD,
+    ChainSignals,
     DramConfig,
     Engine,
     EngineConfig,
-    Hints,
     IOConfig,
     SsdConfig,
     ThreadBuffers,
@@ -88,44 +91,44 @@ class Storage:
             return len(media)
         return 0
 
-    def store(self, keys: list[str], parent: str | None, context_tokens: int, refcount: int) -> list[str]:
-        """Write-through of newly computed pages (in the background; not on the TTFT path). Returns
-        where each stored page was placed (FlatCake), for placement accuracy."""
+    def store(self, prefix: list[str], keys: list[str], signals: ChainSignals) -> list[str]:
+        """Write-back of newly computed pages after ``prefix`` (in the background; not on the TTFT path),
+        each run with the hints SGLang's backend derives for it (``signals``). Returns where each stored
+        page was placed (FlatCake), for placement accuracy."""
+        if self.engine is None:
+            if self.tiered is not None:
+                for _, chunk, kv in self._chunks(keys):
+                    self.tiered.put(chunk, kv)
+            return []
         placed: list[str] = []
-        for lo in range(0, len(keys), self._kv.shape[1]):
-            chunk = keys[lo : lo + self._kv.shape[1]]
-            kv = aligned_empty((self.cfg.layers, len(chunk), self.cfg.page_bytes))  # contiguous, as put wants
-            kv[...] = self._kv[:, : len(chunk)]
-            if self.engine is not None:
-                hints = put_hints(parent, refcount, len(keys) * self.cfg.page_tokens, context_tokens)
+        runs = signals.write(prefix, keys, self.cfg.page_tokens)
+        for run in runs:
+            hints = run.hints()
+            for lo, chunk, kv in self._chunks(keys[run.start : run.stop]):
+                if lo:  # a later chunk of the run continues the one before it
+                    hints = replace(hints, parent_key=keys[run.start + lo - 1])
                 try:
                     self.engine.put(chunk, kv, hints)
                 except (OSError, RuntimeError, ValueError) as exc:  # pool full: the pages stay uncached
                     log.warning("store failed: %s", exc)
                     return placed
                 placed += self.media(chunk)
-                parent = chunk[-1]
-            elif self.tiered is not None:
-                self.tiered.put(chunk, kv)
+        signals.record(keys, runs)
         return placed
+
+    def _chunks(self, keys: list[str]) -> Iterator[tuple[int, list[str], npt.NDArray[np.uint8]]]:
+        """``keys`` in puts of at most the reused buffer's pages, each with contiguous bytes as put wants."""
+        for lo in range(0, len(keys), self._kv.shape[1]):
+            chunk = keys[lo : lo + self._kv.shape[1]]
+            kv = aligned_empty((self.cfg.layers, len(chunk), self.cfg.page_bytes))
+            kv[...] = self._kv[:, : len(chunk)]
+            yield lo, chunk, kv
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
         if self.tiered is not None:
             self.tiered.close()
-
-
-def put_hints(parent: str | None, siblings: int, appended_tokens: int, context_tokens: int) -> Hints:
-    """What SGLang's backend tells FlatCake about the same put (node_agent/sglang/signals.py): pages after
-    a prefix other requests also continue (``siblings`` > 1, the prefix's children counting this one)
-    begin a session of their own, turn 1; pages that continue the only child of their prefix are a
-    session's next turn, reporting the tokens it appended. The new pages themselves are shared by no
-    one yet (``prefix_refcount`` 1): the count describes their parent. Sending them to DRAM as shared
-    prompts or short chats filled the DRAM tier with sessions reclaimed before they came back."""
-    if parent is None or siblings > 1:
-        return Hints(turn=1, context_tokens=context_tokens, parent_key=parent)
-    return Hints(turn=2, prev_reply_tokens=(appended_tokens,), context_tokens=context_tokens, parent_key=parent)
 
 
 def engine_config(cfg: EmulatorConfig, root: Path) -> EngineConfig:

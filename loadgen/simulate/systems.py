@@ -25,6 +25,7 @@ from flatcake.loadgen.simulate.workload import SimRequest, route
 from flatcake.loadgen.systems import hicache
 from flatcake.node_agent import (
     SSD_THRESHOLD,
+    ChainSignals,
     Hints,
     LocalCatalog,
     Location,
@@ -219,7 +220,7 @@ class FlatCake(System):
         # The agent's catalog, without a journal: allocate (placement by Table 2, parent scopes), publish,
         # leases that pin scopes, reclaim whole scopes oldest first.
         self.catalogs = [LocalCatalog(t, c.placement) for t in self.tables]
-        self.children: list[dict[int | None, set[int]]] = [{} for _ in range(c.nodes)]
+        self.signals = [ChainSignals() for _ in range(c.nodes)]  # what each node's backends derive
         self.decisions: list[tuple[Hints, Medium, str]] = []  # every allocation: for the placement check
         self.placed_bytes = {Medium.DRAM: 0, Medium.SSD: 0}
         self.read_commands = 0
@@ -230,6 +231,7 @@ class FlatCake(System):
         inst, now, keys, h = job.inst, self.loop.now, req.keys, job.hbm_pages
         catalog = self.catalogs[inst.node]
         rest = keys[h:]
+        self.signals[inst.node].observe(keys[:h], rest)  # SGLang's hit query names the chain past HBM
         n = catalog.exists(rest)
         if n:
             lease = catalog.acquire(rest[:n])
@@ -325,34 +327,37 @@ class FlatCake(System):
         keys = list(req.keys)
         if cached >= len(keys):
             return
-        parent = keys[cached - 1] if cached else None
-        kids = self.children[inst.node].setdefault(parent, set())
-        kids.add(keys[cached])
-        # As SGLang's backend derives them (node_agent/sglang/signals.py; the emulator's put_hints): the new
-        # pages are shared by no one yet; after a prefix other requests also continue they begin a session
-        # of their own (turn 1). The parent's child count is the parent's refcount, not theirs.
-        branch = parent is not None and len(kids) > 1
-        hints = Hints(turn=1 if branch else req.turn, prev_reply_tokens=() if branch else req.prev_reply_tokens,
-                      context_tokens=req.input_tokens)  # fmt: skip
+        # Each run with the hints SGLang's backend derives for it (the emulator's derivation too).
+        signals = self.signals[inst.node]
+        runs = signals.write(keys[:cached], keys[cached:], self.c.page_tokens)
+        for run in runs:
+            if not self._place(inst, keys[cached + run.start : cached + run.stop], run.hints()):
+                return
+        signals.record(keys[cached:], runs)
+
+    def _place(self, inst: Instance, keys: list[int], hints: Hints) -> bool:
+        """One put as the engine makes it; False when the pool refused it (the pages stay uncached)."""
+        catalog = self.catalogs[inst.node]
         try:
             alloc = catalog.allocate(keys, hints)
         except CapacityError:
             self.store_failures += 1
-            return
+            return False
         if alloc is None:
-            return
+            return True
         new = [keys[i] for i in alloc.index]
         self.decisions.append((hints, alloc.medium, alloc.reason))
         c = self.c
         if alloc.medium is Medium.DRAM:
             self.placed_bytes[Medium.DRAM] += len(alloc.slots) * c.page_span
             catalog.publish(alloc.id, [0] * len(new))
-            return
+            return True
         self.placed_bytes[Medium.SSD] += sum(s.pages for s in alloc.segments) * c.page_span  # byte extents
         # New pages stay pinned in HBM until their write lands; then the key is published.
         inst.hbm.pin(new, +1)
         done = self.ssd[inst.node].submit(self.loop.now, len(new) * c.page_span, len(alloc.segments), write=True)
         self.loop.at(done, self._written, inst, alloc.id, new)
+        return True
 
     def _written(self, inst: Instance, alloc_id: int, new: list[int]) -> None:
         self.catalogs[inst.node].publish(alloc_id, [0] * len(new))

@@ -35,6 +35,7 @@ from flatcake.loadgen.models import preset
 from flatcake.loadgen.simulate import devices
 from flatcake.loadgen.simulate.run import SimConfig, simulate
 from flatcake.loadgen.traces.formats import BUNDLED_TRACE
+from flatcake.node_agent import ChainSignals
 
 # Simulated system -> the emulator mode that runs the same rules on real storage.
 EMULATED = {"flatcake": "flatcake", "tiered-l3": "tiered", "tiered-l2": "dram"}
@@ -75,7 +76,10 @@ def measure_storage(emu: EmulatorConfig, work: Path) -> devices.DeviceProfile:
     store = Storage(cfg)
     try:
         dram = [f"measure-dram-{i}" for i in range(max(1, min(pages, cfg.dram_bytes // cfg.page_span // 2)))]
-        store.store(dram, None, len(dram) * cfg.page_tokens, 2)  # refcount 2: a shared prompt, DRAM
+        signals = ChainSignals()
+        for branch in ("a", "b"):  # two requests continue the prompt: the backend derives a shared prompt, DRAM
+            signals.observe([], [*dram, f"measure-branch-{branch}"])
+        store.store([], dram, signals)
         copy_s = None
         if store.media(dram) == ["dram"] * len(dram):
             t0 = time.perf_counter()
@@ -84,8 +88,8 @@ def measure_storage(emu: EmulatorConfig, work: Path) -> devices.DeviceProfile:
         vm = devices.PROFILES["this-vm"]
         runs = [[f"measure-{r}-{i}" for i in range(pages)] for r in range(n)] if cfg.mode != "dram" else []
         t0 = time.perf_counter()
-        for keys in runs:  # refcount 1, no parent: a one-shot context, placed on SSD (Table 2)
-            store.store(keys, None, pages * cfg.page_tokens, 1)
+        for keys in runs:  # one request each, no parent: a one-shot context, placed on SSD (Table 2)
+            store.store([], keys, signals)
         if store.tiered is not None:
             store.tiered.flush()
         write_s = time.perf_counter() - t0

@@ -119,6 +119,10 @@ class KvikioIO:
         if threads:
             set_kvikio_threads(kvikio, threads)
         self.mode = kvikio_mode(kvikio)
+        try:  # whether cuFile's driver offers GDS here (compat mode reads through host bounce buffers)
+            self.gds_available: bool | None = bool(submodule(kvikio, "cufile_driver").get("is_gds_available"))
+        except Exception:  # an older kvikio without the module or property, or no cuFile driver at all
+            self.gds_available = None
         self._registered: list[Any] = []  # buffers registered with cuFile, deregistered on close
         self.paths = list(paths)
         self.workers = workers

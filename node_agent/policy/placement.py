@@ -77,7 +77,7 @@ def decide(hints: Hints, config: PlacementConfig) -> Decision:
         return Decision(Medium.DRAM, Reason.SHARED_PROMPT)
     if hints.context_tokens >= config.agent_context_tokens or hints.reply_tokens >= config.agent_reply_tokens:
         return Decision(Medium.SSD, Reason.AGENT_SESSION)
-    if hints.turn > 1:
+    if hints.turn > 1 and hints.prev_reply_tokens:  # replies unknown: no evidence of a short chat
         if all(t <= config.short_reply_tokens for t in hints.prev_reply_tokens):
             return Decision(Medium.DRAM, Reason.SHORT_CHAT)
         # Later turns after long replies behave like agent work: large, rarely re-read soon.

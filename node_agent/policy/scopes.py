@@ -65,6 +65,15 @@ class Scope:
         return sum(e.length for e in self.extents) if self.medium is Medium.SSD else len(self.slots)
 
 
+# Reasons that are evidence for a medium; ONE_SHOT (turn 1, or no hints at all) is the absence of any.
+_EVIDENCE = {Reason.SHARED_PROMPT, Reason.SHORT_CHAT, Reason.AGENT_SESSION}
+
+
+def _other_medium(decision: Decision, medium: Medium) -> bool:
+    """Whether a continuation's own Table 2 decision positively names the medium its scope is not on."""
+    return decision.medium is not medium and decision.reason in _EVIDENCE
+
+
 def _continues(scope: Scope, parent: Digests) -> bool:
     """Whether the parent (its digest) is ``scope``'s last published page: new pages after it extend the run."""
     h1, h2 = parent
@@ -260,6 +269,11 @@ class ScopeTable:
                 # The parent lies inside another run (a shared prompt stored by another session): these
                 # pages do not continue that scope, so they get one of their own, placed by their hints.
                 # Joining would scatter every later reader's pages across the other session's segment.
+                scope = None
+            if scope is not None and _other_medium(decision, scope.medium):
+                # Peers, not tiers: a turn whose own signals name the other medium (a chat whose turns
+                # stay short after a one-shot first turn; a chat grown into a long context) starts a scope
+                # there. The earlier turns stay where they are: nothing migrates.
                 scope = None
             if scope is not None:
                 decision = Decision(scope.medium, Reason.INHERITED)

@@ -19,7 +19,7 @@ so ranks share one key and only the storage writer (rank 0) writes. ``extra_info
 names the pages before a batch: its last one is the parent, binding new pages to their session's
 scope.
 
-Placement signals (Table 2) come from the key chain (``signals.py``); what a chain cannot tell (the
+Placement signals (Table 2) come from the key chain (``policy/signals.py``); what a chain cannot tell (the
 expected reply length and reuse) from the ``placement_hints`` extra-config entry or the
 ``FLATCAKE_SGLANG_HINTS`` environment variable, and per request from ``extra_info.extra_info`` where a
 caller fills it (SGLang 0.5.23's cache controller never does).
@@ -58,8 +58,8 @@ from flatcake.node_agent.datapath.buffers import aligned_empty, round_up
 from flatcake.node_agent.datapath.engine import Engine
 from flatcake.node_agent.datapath.target import PagedTarget
 from flatcake.node_agent.policy.placement import Hints
+from flatcake.node_agent.policy.signals import ChainSignals, Run
 from flatcake.node_agent.service.client import connect
-from flatcake.node_agent.sglang.signals import ChainSignals, Run
 
 log = logging.getLogger(__name__)
 

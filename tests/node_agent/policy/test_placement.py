@@ -26,6 +26,7 @@ CFG = PlacementConfig(agent_context_tokens=1000, agent_reply_tokens=100, short_r
         (Hints(turn=2, context_tokens=1000), Medium.SSD, Reason.AGENT_SESSION),
         (Hints(turn=2, reply_tokens=100), Medium.SSD, Reason.AGENT_SESSION),
         (Hints(turn=1), Medium.SSD, Reason.ONE_SHOT),
+        (Hints(turn=2), Medium.SSD, Reason.ONE_SHOT),  # earlier replies unknown: no evidence of a short chat
         (Hints(), Medium.SSD, Reason.ONE_SHOT),
     ],
 )

@@ -45,7 +45,7 @@ def test_later_turns_append_to_the_parent_scope_layer_major() -> None:
     t = table()
     first = t.reserve(["a", "b"], None, SSD)
     t.publish(first)
-    second = t.reserve(["c", "d"], "b", DRAM)  # the decision is overridden by inheritance
+    second = t.reserve(["c", "d"], "b", SSD)  # no evidence for the other medium: it joins, inherited
     t.publish(second)
     assert second.scope is first.scope and second.decision.reason is Reason.INHERITED
     # A file holds 4 pages of 2 layers: turn 2 extends the scope's extent in place, right after turn 1.
@@ -154,9 +154,33 @@ def test_only_a_continuation_of_a_scopes_last_page_joins_it() -> None:
     b = t.reserve(["b0", "b1"], "sys1", DRAM)  # "sys1" is stored, but A's run goes on after it
     t.publish(b)
     assert b.scope is not a.scope and b.decision == DRAM
-    a2 = t.reserve(["a2"], "a1", DRAM)  # A's next turn continues its last page: joins, SSD inherited
+    a2 = t.reserve(["a2"], "a1", SSD)  # A's next turn continues its last page: joins, SSD inherited
     t.publish(a2)
     assert a2.scope is a.scope and a2.decision.reason is Reason.INHERITED
     b2 = t.reserve(["b2"], "b1", SSD)
     t.publish(b2)
     assert b2.scope is b.scope and b2.scope.medium is Medium.DRAM
+
+
+def test_a_continuation_whose_signals_name_the_other_medium_starts_a_scope_there() -> None:
+    """Peers, not tiers: a one-shot first turn on SSD, then short chat turns, go to DRAM in a scope of
+    their own, which later short turns join; a turn grown into an agent session goes back to SSD. Nothing
+    already written moves. Without the rule every later turn inherited SSD and DRAM held no session."""
+    short, agent = Decision(Medium.DRAM, Reason.SHORT_CHAT), Decision(Medium.SSD, Reason.AGENT_SESSION)
+    t = table()
+    first = t.reserve(["t1"], None, SSD)
+    t.publish(first)
+    second = t.reserve(["t2"], "t1", short)
+    t.publish(second)
+    assert second.scope is not first.scope and second.scope.medium is Medium.DRAM
+    assert second.decision == short and first.scope.medium is Medium.SSD
+    third = t.reserve(["t3"], "t2", short)
+    t.publish(third)
+    assert third.scope is second.scope and third.decision.reason is Reason.INHERITED
+    fourth = t.reserve(["t4"], "t3", agent)
+    t.publish(fourth)
+    assert fourth.scope.medium is Medium.SSD and fourth.scope is not first.scope
+    assert [t.lookup(k) is not None for k in ("t1", "t2", "t3", "t4")] == [True] * 4
+    fifth = t.reserve(["t5"], "t4", SSD)  # one-shot is no evidence: it joins
+    t.publish(fifth)
+    assert fifth.scope is fourth.scope and fifth.decision.reason is Reason.INHERITED

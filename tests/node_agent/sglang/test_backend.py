@@ -67,7 +67,7 @@ def test_v1_round_trip_through_the_abc(agent_thread: Start, mla: bool, layout: s
     keys = [f"{i:064x}" for i in range(6)]
     first = torch.arange(0, 3 * PAGE)
     assert backend.batch_set_v1(keys[:3], first) == [True] * 3
-    # The next turn's pages name their prefix: they join its scope.
+    # The next turn's pages name their prefix: the backend derives a short second turn.
     later = torch.arange(3 * PAGE, 6 * PAGE)
     extra = HiCacheStorageExtraInfo(prefix_keys=keys[:3])
     assert backend.batch_set_v1(keys[3:], later, extra) == [True] * 3
@@ -84,7 +84,8 @@ def test_v1_round_trip_through_the_abc(agent_thread: Start, mla: bool, layout: s
         want = HostPool.get_data_page(_with_buffer(pool, original), j * PAGE, flat=False)
         assert torch.equal(got, want), j
     placements = agent.agent.catalog.placements.snapshot()
-    assert placements.get("ssd/inherited") == 3 and placements.get("ssd/one_shot") == 3
+    # The second write continues the first with a short turn: a short chat, in a DRAM scope of its own.
+    assert placements == {"ssd/one_shot": 3, "dram/short_chat": 3}
     backend.close()
 
 

@@ -11,8 +11,8 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
 from flatcake.errors import ConfigError
+from flatcake.node_agent.policy.signals import STORAGE_BATCH_SIZE, ChainSignals
 from flatcake.node_agent.sglang.backend import HINTS_ENV, FlatCakeStorage, deployment_hints
-from flatcake.node_agent.sglang.signals import STORAGE_BATCH_SIZE, ChainSignals
 from tests.node_agent.sglang.test_backend import DIM, HEADS, LAYERS, PAGE, HostPool, make_backend
 from tests.support.agents import AgentThread
 
@@ -51,7 +51,7 @@ def slots(n: int) -> torch.Tensor:
     return torch.arange(0, n * PAGE)
 
 
-def test_later_turns_of_a_chain_join_the_first_turns_scope(agent_thread: Start) -> None:
+def test_later_short_turns_of_a_chain_start_a_dram_scope_that_the_next_turns_join(agent_thread: Start) -> None:
     agent, backend = backend_on(agent_thread)
     t1, t2, t3 = keys("a", 3), keys("b", 2), keys("c", 1)
     assert backend.batch_set_v1(t1, slots(3), info([])) == [True] * 3
@@ -61,9 +61,12 @@ def test_later_turns_of_a_chain_join_the_first_turns_scope(agent_thread: Start) 
     session = backend.signals.session(t3[0])
     assert session is not None and (session.root, session.turn) == (t1[0], 3)
     assert session.appended == (2 * PAGE, 1 * PAGE)  # tokens turns 2 and 3 appended: short replies
-    assert scope_of(agent, t2[0]) == scope_of(agent, t1[0]) == scope_of(agent, t3[0])
+    # Turn 1 is one-shot (SSD); turn 2 is a short chat's (DRAM, a scope of its own: nothing migrates);
+    # turn 3 continues turn 2's scope.
+    assert scope_of(agent, t2[0]) == scope_of(agent, t3[0]) != scope_of(agent, t1[0])
+    assert medium_of(agent, t1[0]) == "ssd" and medium_of(agent, t2[0]) == "dram"
     placements = agent.agent.catalog.placements.snapshot()
-    assert placements == {"ssd/one_shot": 3, "ssd/inherited": 3}
+    assert placements == {"ssd/one_shot": 3, "dram/short_chat": 2, "dram/inherited": 1}
     backend.close()
 
 

@@ -20,7 +20,9 @@ From the chains this process sees, ``ChainSignals`` keeps, in bounded memory:
   session's next turn; SGLang splits one write into batches of ``STORAGE_BATCH_SIZE`` pages, so a
   parent that ended a full batch continues the same turn.
 
-Pure bookkeeping: no I/O, no SGLang import.
+Pure bookkeeping: no I/O, no SGLang import. The emulator, the simulator and ``bench peers`` derive
+their puts' hints here too (through ``flatcake.node_agent.ChainSignals``), so every benchmark places
+pages by what the backend would tell the agent, not by what a trace knows.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flatcake.node_agent.policy.placement import Hints, Key
+
 STORAGE_BATCH_SIZE = 128  # sglang.srt.mem_cache.hicache_storage.STORAGE_BATCH_SIZE in 0.5.23
 MAX_CHILDREN = 16  # a refcount only needs to tell 1 from "more"; past this the count saturates
 REPLY_HISTORY = 8  # earlier turns remembered per session (prev_reply_tokens)
@@ -41,7 +45,7 @@ REPLY_HISTORY = 8  # earlier turns remembered per session (prev_reply_tokens)
 class Session:
     """What a written page knows of its session."""
 
-    root: str  # the session's first page: the scope every later turn joins
+    root: Key  # the session's first page: the scope every later turn joins
     turn: int
     turn_pages: int  # pages this turn has appended so far
     appended: tuple[int, ...]  # tokens appended by turns 2..turn (reply + next message: an upper bound)
@@ -57,6 +61,10 @@ class Run:
     fields: dict[str, Any]
     session: Session
 
+    def hints(self) -> Hints:
+        """The run's hints as derived (the backend layers configured and per-request fields on top)."""
+        return Hints.from_dict(self.fields)
+
 
 class ChainSignals:
     """Continuation counts and sessions over the key chains one backend sees (thread-safe, LRU-bounded:
@@ -66,12 +74,12 @@ class ChainSignals:
         if capacity < 1:
             raise ValueError(f"signal_capacity: {capacity} must be >= 1")
         self.capacity = capacity
-        self._children: OrderedDict[str, set[str]] = OrderedDict()
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._children: OrderedDict[Key, set[Key]] = OrderedDict()
+        self._sessions: OrderedDict[Key, Session] = OrderedDict()
         self._lock = threading.Lock()
 
     # ---- observation -----------------------------------------------------------------------------
-    def observe(self, prefix: Sequence[str], keys: Sequence[str]) -> None:
+    def observe(self, prefix: Sequence[Key], keys: Sequence[Key]) -> None:
         """Record the chain ``prefix + keys``: each page's continuation. Edges inside ``prefix`` were
         recorded when those pages were themselves keys, so only the join and ``keys`` are walked."""
         if not keys:
@@ -82,7 +90,7 @@ class ChainSignals:
             for a, b in itertools.pairwise(keys):
                 self._edge(a, b)
 
-    def _edge(self, parent: str, child: str) -> None:
+    def _edge(self, parent: Key, child: Key) -> None:
         kids = self._children.get(parent)
         if kids is None:
             kids = self._children[parent] = set()
@@ -93,17 +101,17 @@ class ChainSignals:
         if len(kids) < MAX_CHILDREN:
             kids.add(child)
 
-    def continuations(self, key: str) -> int:
+    def continuations(self, key: Key) -> int:
         with self._lock:
             kids = self._children.get(key)
             return len(kids) if kids else 0
 
-    def session(self, key: str) -> Session | None:
+    def session(self, key: Key) -> Session | None:
         with self._lock:
             return self._sessions.get(key)
 
     # ---- derivation ------------------------------------------------------------------------------
-    def derive(self, prefix: Sequence[str], keys: Sequence[str], page_tokens: int) -> list[Run]:
+    def derive(self, prefix: Sequence[Key], keys: Sequence[Key], page_tokens: int) -> list[Run]:
         """Split one write into runs with their signals: a leading run of pages shared by several live
         requests (up to the last branch point among ``keys``), then the request's own pages. Call
         ``observe`` first so this write's own continuation counts."""
@@ -161,7 +169,13 @@ class ChainSignals:
         runs.append(Run(start, len(keys), fields, session))
         return runs
 
-    def record(self, keys: Sequence[str], runs: Sequence[Run]) -> None:
+    def write(self, prefix: Sequence[Key], keys: Sequence[Key], page_tokens: int) -> list[Run]:
+        """``observe`` then ``derive``: what a put of ``keys`` after ``prefix`` is told. ``record`` the runs
+        once the put has succeeded."""
+        self.observe(prefix, keys)
+        return self.derive(prefix, keys, page_tokens)
+
+    def record(self, keys: Sequence[Key], runs: Sequence[Run]) -> None:
         """Remember the sessions of pages just written (the last page of a full batch stays open)."""
         full = len(keys) == STORAGE_BATCH_SIZE
         with self._lock:
