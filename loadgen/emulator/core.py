@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from flatcake import metrics as M
 from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.emulator.storage import Storage
+from flatcake.loadgen.overlap import latest, prefill_end
 from flatcake.loadgen.systems import hicache
 from flatcake.node_agent import (
     ChainSignals,
@@ -110,6 +111,7 @@ class Emulator:
         self.sglang_like = cfg.mode in ("tiered", "dram")
         self.waiting: list[_Job] = []
         self.staging_tokens = 0
+        self._passes = 0  # tiered: scheduling passes so far (SGLang paces lookup retries by them)
         self.host_pool_tokens = max(1, cfg.dram_bytes // cfg.page_span) * cfg.page_tokens
         self._io_queue: asyncio.Queue[_Job] | None = None
         # Placement accuracy (FlatCake): where each stored page went, and which were asked for again.
@@ -272,9 +274,12 @@ class Emulator:
         self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
         self.m["flatcake_staging_bytes"].labels(self.cfg.mode).set(self.staging_tokens * self._token_bytes)
 
-    async def _restore(self, pool: ThreadPoolExecutor, keys: list[str], ssd_pages: int, promote: bool = False) -> int:
-        """``storage.restore`` on ``pool``; restores that read SSD pages count their bytes and the time with
-        any of them in flight (the storage's rate as this run sees it: ``simulate --validate`` uses it)."""
+    async def _restore(
+        self, pool: ThreadPoolExecutor, keys: list[str], ssd_pages: int, promote: bool = False
+    ) -> tuple[int, list[float]]:
+        """``storage.restore`` on ``pool``: pages arrived and each layer's time; restores that read SSD pages
+        count their bytes and the time with any of them in flight (the storage's rate as this run sees
+        it: ``simulate --validate`` uses it)."""
         loop = asyncio.get_running_loop()
         if not ssd_pages:
             return await loop.run_in_executor(pool, self.storage.restore, keys, promote)
@@ -282,14 +287,14 @@ class Emulator:
             self._ssd_busy_since = time.monotonic()
         self._ssd_inflight += 1
         try:
-            got = await loop.run_in_executor(pool, self.storage.restore, keys, promote)
+            got, times = await loop.run_in_executor(pool, self.storage.restore, keys, promote)
         finally:
             self._ssd_inflight -= 1
             if not self._ssd_inflight:
                 busy = time.monotonic() - self._ssd_busy_since
                 self.m["flatcake_ssd_restore_busy_seconds"].labels(self.cfg.mode).inc(busy)
         self.m["flatcake_ssd_restore_bytes"].labels(self.cfg.mode).inc(min(got, ssd_pages) * self.cfg.page_span)
-        return got
+        return got, times
 
     # ---- FlatCake: FC-MAS (or FCFS) queues, prefetches that wait for window space ---------------
     async def _prefetch_loop(self) -> None:
@@ -305,7 +310,7 @@ class Emulator:
             job = self._jobs[req.id]
             started = time.monotonic()
             # FlatCake streams into HBM through its bounded window, which waits when full and never declines.
-            got = await self._restore(self._pool, job.ssd_keys, len(job.ssd_keys))
+            got, _ = await self._restore(self._pool, job.ssd_keys, len(job.ssd_keys))
             self._prefetched(job, job.ssd_keys[:got])
             self.m["flatcake_prefetch_seconds"].labels(self.cfg.mode).observe(time.monotonic() - started)
             async with self._cond:
@@ -338,7 +343,10 @@ class Emulator:
         in flight reach half the host pool. Called under the condition's lock."""
         tokens = len(job.ssd_keys) * self.cfg.page_tokens
         job.retry = False
-        if self.cfg.mode != "tiered" or not hicache.worth_prefetching(tokens):
+        if self.cfg.mode != "tiered":
+            return
+        if not hicache.worth_prefetching(tokens):  # a miss (or too little): asked again a few passes later
+            job.lookup_at = hicache.miss_retry_at(self._passes, job.lookups)
             return
         if hicache.rate_limited(self.staging_tokens, self.host_pool_tokens):
             if job.attempts:
@@ -370,7 +378,7 @@ class Emulator:
                 if op.terminated:
                     break
                 batch = job.ssd_keys[lo : lo + hicache.STORAGE_BATCH_PAGES]
-                got = await self._restore(self._prefetch_io, batch, len(batch), promote=True)
+                got, _ = await self._restore(self._prefetch_io, batch, len(batch), promote=True)
                 async with self._cond:
                     if not op.terminated:  # a stopped prefetch's late pages are not the request's
                         self._prefetched(job, batch[:got])
@@ -389,6 +397,15 @@ class Emulator:
         of the next timeout deadline to wake at."""
         wake: float | None = None
         pt = self.cfg.page_tokens
+        self._passes += 1
+        # Missed lookups due now are asked again before admission, over the whole queue, in its order
+        # (SGLang's _process_storage_prefetch_retries); the head's pending retry is dropped.
+        for i, job in enumerate(self.waiting):
+            if job.lookup_at is not None and self._passes >= job.lookup_at:
+                if i == 0:
+                    job.lookup_at = None
+                else:
+                    self._look_up_again(job)
         for job in self.waiting:
             if job.retry:
                 self._try_prefetch(job)
@@ -403,6 +420,18 @@ class Emulator:
             self.waiting.remove(job)
             return job, None
         return None, wake
+
+    def _look_up_again(self, job: _Job) -> None:
+        """A missed storage lookup asked again: pages stored since (another request's write-back) may
+        now be prefetched. In-memory lookups only (the tiered store's maps), so it runs on the loop."""
+        job.lookups += 1
+        job.lookup_at = None
+        self.m["flatcake_prefetch_retries"].labels(self.cfg.mode).inc()
+        hbm = self._hbm_prefix(job.keys)
+        media = self.storage.media(job.keys[hbm:])
+        start = hbm + (media.index("ssd") if "ssd" in media else len(media))
+        job.ssd_keys = job.keys[start : hbm + len(media)]
+        self._try_prefetch(job)
 
     async def _tiered_gpu_loop(self) -> None:
         assert self._cond is not None
@@ -434,6 +463,7 @@ class Emulator:
         hits = out.hit_pages
         cached = 0
         prefetched = dict(job.prefetched)
+        arrivals: list[float] = []  # when each layer restored inline for this prefill was in HBM
         # Walk the prefix: pages in HBM (resident, or prefetched for this request), then pages
         # looked up again in storage (stored since arrival count), then HBM again, and so on.
         while True:
@@ -453,7 +483,8 @@ class Emulator:
                 else:
                     out.unprefetched_pages += len(late) - late.index("ssd")
                 late = late[: late.index("ssd")]
-            got = await self._restore(self._pool, keys[cached : cached + len(late)], late.count("ssd"))
+            got, times = await self._restore(self._pool, keys[cached : cached + len(late)], late.count("ssd"))
+            arrivals = latest(arrivals, times)
             for medium in late[:got]:
                 hits[medium] += 1
             out.failed_pages += len(late) - got
@@ -463,7 +494,10 @@ class Emulator:
         self._touch(keys[:cached])
         out.declined_pages += job.declined
         miss_tokens = out.prompt_tokens - cached * cfg.page_tokens
-        await asyncio.sleep(cfg.prefill_seconds(miss_tokens, cached * cfg.page_tokens))
+        # The modelled compute overlaps the layers restored inline, layer by layer, for every mode.
+        compute = cfg.prefill_seconds(miss_tokens, cached * cfg.page_tokens)
+        end = prefill_end(out.prefill_start, arrivals, cfg.layers, compute)
+        await asyncio.sleep(max(0.0, end - time.monotonic()))
         self._pin(list(job.prefetched), -1)
         self._hbm_insert(keys)  # the whole prompt is in HBM after prefill
         new = keys[cached:]
@@ -544,5 +578,7 @@ class _Job:
     op: hicache.Prefetch | None = None  # tiered: its storage prefetch
     attempts: int = 0  # tiered: declined prefetch attempts
     retry: bool = False  # tiered: declined, to be retried at the next scheduling pass
+    lookups: int = 0  # tiered: storage lookups asked again after a miss
+    lookup_at: int | None = None  # tiered: the scheduling pass that asks storage again (a missed lookup)
     prefetched: dict[str, str] = field(default_factory=dict)  # key -> medium it was prefetched from
     done: asyncio.Event = field(default_factory=asyncio.Event)

@@ -4,6 +4,7 @@ agent's client), the tiered baselines, or nothing; real bytes on this machine's 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from flatcake.loadgen.emulator.config import EmulatorConfig, MiB
+from flatcake.loadgen.overlap import even_arrivals
 from flatcake.loadgen.systems.tiered import TieredStore
 from flatcake.node_agent import (
     SSD_THRESHOLD,
@@ -69,27 +71,35 @@ class Storage:
             return self.tiered.media(keys)
         return []
 
-    def restore(self, keys: list[str], promote: bool = False) -> int:
-        """Bring pages to HBM (really read them); returns how many of the leading pages arrived.
+    def restore(self, keys: list[str], promote: bool = False) -> tuple[int, list[float]]:
+        """Bring pages to HBM (really read them); returns how many of the leading pages arrived and when
+        each layer did (``time.monotonic``; empty when nothing was read): the prefill overlaps them
+        (loadgen/overlap.py). FlatCake's restore yields its layers as they land; the tiered host tier's
+        copy moves whole pages, and SGLang moves them to the device layer by layer
+        (``LayerDoneCounter``), so its layers are charged as one copy at one rate.
         ``promote``: the tiered host tier keeps what was read from SSD (a finished SGLang prefetch)."""
         if not keys:
-            return 0
+            return 0, []
         dest = self._dests.get((self.cfg.layers, len(keys), self.cfg.page_bytes))
         if self.engine is not None:
+            times: list[float] = []
             try:
                 with self.engine.get(keys, dest) as restore:
-                    missing = restore.run()
+                    for _ in restore:
+                        times.append(time.monotonic())
+                    missing = restore.missing
             except KeyError:  # reclaimed between lookup and restore: recompute
-                return 0
-            return min(missing) if missing else len(keys)
+                return 0, []
+            return (min(missing) if missing else len(keys)), times
         if self.tiered is not None:
+            started = time.monotonic()
             media = self.tiered.media(keys)
             if self.tiered.restore(keys[: len(media)], dest):
-                return 0  # a page went missing during the read: the batch is not used
+                return 0, []  # a page went missing during the read: the batch is not used
             if promote:
                 self.tiered.promote(keys[: len(media)], dest)
-            return len(media)
-        return 0
+            return len(media), even_arrivals(started, time.monotonic(), self.cfg.layers)
+        return 0, []
 
     def store(self, prefix: list[str], keys: list[str], signals: ChainSignals) -> list[str]:
         """Write-back of newly computed pages after ``prefix`` (in the background; not on the TTFT path),

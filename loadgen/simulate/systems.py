@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from flatcake.errors import CapacityError
+from flatcake.loadgen.overlap import even_arrivals, latest, prefill_end
 from flatcake.loadgen.simulate.devices import Device, DeviceProfile
 from flatcake.loadgen.simulate.events import EventLoop
 from flatcake.loadgen.simulate.hbm import HbmCache
@@ -167,15 +168,19 @@ class System:
         return Job(req, rec, inst, h)
 
     def _finish_prefill(self, job: Job, cached: int, dram_pages: int, ready: float | None = None) -> None:
-        """Start the prefill of the uncached tokens once the cached ones are in HBM (DRAM pages copied
-        in; ``ready``: when an inline SSD read lands); the GPU is busy from now until the first token."""
+        """Start the prefill of the uncached tokens, its compute overlapping the layers restored for it
+        (DRAM pages copied in; ``ready``: when an inline SSD read lands; each moves its layers in turn
+        at one rate): the rule the emulator charges too (loadgen/overlap.py). The GPU is busy from now
+        until the first token."""
         c, now, rec = self.c, self.loop.now, job.rec
         rec.start = now
         cached_tokens = min(cached * c.page_tokens, job.req.input_tokens)
-        ready = max(now, ready or now)
+        ssd = even_arrivals(now, ready, c.layers) if ready is not None and ready > now else []
+        dram = []
         if dram_pages:
-            ready = max(ready, job.inst.h2d.submit(now, dram_pages * c.page_span, 1))
-        end = ready + (c.prefill_s(job.req.input_tokens - cached_tokens, cached_tokens))
+            dram = even_arrivals(now, job.inst.h2d.submit(now, dram_pages * c.page_span, 1), c.layers)
+        compute = c.prefill_s(job.req.input_tokens - cached_tokens, cached_tokens)
+        end = prefill_end(now, latest(ssd, dram), c.layers, compute)
         job.inst.busy = True
         self.loop.at(end, self._prefill_done, job, cached)
 

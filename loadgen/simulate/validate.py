@@ -95,7 +95,7 @@ def measure_storage(emu: EmulatorConfig, work: Path) -> devices.DeviceProfile:
         write_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
-            got = sum(pool.map(store.restore, runs))
+            got = sum(n for n, _ in pool.map(store.restore, runs))
         read_s = time.perf_counter() - t0
     finally:
         store.close()

@@ -21,6 +21,13 @@ Read from SGLang 0.5.23 (cited by file and function; no code taken):
 - ``srt/managers/scheduler.py``, the prefill batch loop: a request whose prefetch cannot stop yet is
   skipped (``continue``) and later requests in the waiting queue may be scheduled ahead of it; the
   waiting queue is ordered by ``schedule_policy``, default ``fcfs``.
+- ``srt/mem_cache/storage_prefetch.py`` (``StoragePrefetchRetries``) with ``scheduler.py``
+  ``_process_storage_prefetch_retries``: a lookup that found nothing or less than the threshold
+  (``poll_miss``) is asked again after ``hicache_storage_prefetch_retry_poll_interval`` (8) scheduling
+  passes, at most ``..._retry_max_attempts`` (8) times, never for the head of the waiting queue (its
+  pending retry is dropped); a partial hit is never asked again. At admission SGLang matches only HBM
+  and host pages (``init_next_round_input``): pages that reached storage after a request's lookups are
+  not read for it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ TIMEOUT_BASE_S = 1.0
 TIMEOUT_PER_KI_TOKEN_S = 0.25
 STORAGE_BATCH_PAGES = 128
 RETRY_MAX_ATTEMPTS = 8
+RETRY_POLL_INTERVAL = 8  # scheduling passes between a missed lookup and its retry
 
 
 def check_policy(policy: str) -> str:
@@ -87,3 +95,8 @@ class Prefetch:
         if self.wait_started is None:
             return None
         return self.wait_started + timeout_s(self.pages, page_tokens)
+
+
+def miss_retry_at(passes: int, attempts: int) -> int | None:
+    """The pass at which a lookup that missed is asked again, or None once the retries are spent."""
+    return passes + RETRY_POLL_INTERVAL if attempts < RETRY_MAX_ATTEMPTS else None

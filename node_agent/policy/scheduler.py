@@ -5,7 +5,11 @@ needs: all in DRAM (or HBM) goes to the DRAM-Ready queue and is dispatched at on
 goes to SSD-Preparing, where prefetches run in HRRN order by transfer volume,
 ``priority = 1 + wait / kv_bytes`` (small first at equal wait, and waiting raises priority so nothing
 starves). A finished prefetch re-enters DRAM-Ready by its original ``arrival_ts``, not at the tail.
-``policy="fcfs"`` is the ablation: one queue in arrival order, the head blocks until it is ready.
+``policy="fcfs"`` is the ablation, SGLang's FCFS: one queue in arrival order, prefetches started in
+that order, and the oldest *ready* request runs first; a request whose prefetch is still in flight is
+skipped, not waited for (SGLang 0.5.23 ``managers/scheduler.py`` ``get_new_batch_prefill``: "skip
+staging requests that are ongoing prefetch", ``continue``). The paper's Figure 4 FCFS blocks the
+whole queue behind its head instead; no serving engine does that.
 """
 
 from __future__ import annotations
@@ -77,10 +81,11 @@ class Scheduler:
             heapq.heappush(self._ready, (req.arrival_ts, self._seq, req))
 
     def next_dispatch(self) -> Request | None:
-        """The request to run now, if any is ready (fcfs: only the head of the line)."""
+        """The request to run now, if any is ready (fcfs: the oldest ready one)."""
         if self.policy == "fcfs":
-            if self._fifo and self._fifo[0].ready:
-                return self._fifo.pop(0)
+            for i, req in enumerate(self._fifo):
+                if req.ready:
+                    return self._fifo.pop(i)
             return None
         return heapq.heappop(self._ready)[2] if self._ready else None
 

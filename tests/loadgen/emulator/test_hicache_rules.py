@@ -60,7 +60,7 @@ class Gate:
         self.opened_at = 0.0
         restore = emu.storage.restore
 
-        def gated(keys: list[str], promote: bool = False) -> int:
+        def gated(keys: list[str], promote: bool = False) -> tuple[int, list[float]]:
             if which(keys, promote):
                 self.entered.set()
                 assert self.opened.wait(60), "the test never opened the gate"
@@ -184,9 +184,10 @@ async def _async(value: bool) -> bool:
 
 
 @pytest.mark.parametrize("policy", ["mas", "fcfs"])
-def test_fc_mas_runs_dram_ready_requests_while_an_ssd_one_prepares(tmp_path: Path, policy: str) -> None:
+def test_dram_ready_requests_run_while_an_ssd_one_prepares(tmp_path: Path, policy: str) -> None:
     """The paper's Figure 4: a long SSD-bound request arrives first, then short ones that need nothing
-    from SSD. FC-MAS prefills the short ones while the long one's restore runs; FCFS holds them behind it."""
+    from SSD. FC-MAS prefills the short ones while the long one's restore runs, and so does SGLang's
+    FCFS, which skips a request still prefetching (the paper's FCFS held them behind it)."""
     emu = Emulator(_config(tmp_path, "flatcake", scheduler=policy, dram_bytes=4 << 20))
     long = _prompt(0, 6)
     _store_on_ssd(emu, long)
@@ -196,20 +197,40 @@ def test_fc_mas_runs_dram_ready_requests_while_an_ssd_one_prepares(tmp_path: Pat
         first = asyncio.create_task(emu.prefill(long))
         await async_wait_until(lambda: _entered(gate), what="the SSD restore to start")
         short = [asyncio.create_task(emu.prefill(_prompt(500_000 + 10_000 * i, 1))) for i in range(3)]
-        if policy == "mas":  # they finish while the restore is still held
-            done = await asyncio.gather(*short)
-            gate.open()
-            return await first, done
-        await async_wait_until(lambda: _async(emu.sched.depths().get("dram_ready", 0) == 3),
-                               what="the short requests to queue")  # fmt: skip
-        await _passes(emu)
-        assert not any(t.done() for t in short)  # FCFS: behind the SSD request
+        done = await asyncio.gather(*short)  # they finish while the restore is still held
         gate.open()
-        return await first, await asyncio.gather(*short)
+        return await first, done
 
     first, short = _run(emu, scenario)
     assert first.hit_pages["ssd"] == 6
-    if policy == "mas":
-        assert all(s.first_token <= gate.opened_at < first.prefill_start for s in short)
-    else:
-        assert all(s.prefill_start >= first.prefill_start >= gate.opened_at for s in short)
+    assert all(s.first_token <= gate.opened_at < first.prefill_start for s in short)
+
+
+def test_a_missed_lookup_is_asked_again_eight_passes_later(tmp_path: Path) -> None:
+    """SGLang re-issues a storage lookup that found nothing after 8 scheduling passes (a pass per prefill
+    here), unless the request has reached the head of the queue. B queues behind ten short requests while
+    a long prefill runs; its pages reach storage only after its first lookup missed (another request's
+    write-back); the retry finds and prefetches them. Without the rule B recomputes them."""
+    emu = Emulator(_config(tmp_path, "tiered", prefetch_policy="wait_complete", prefill_tokens_per_s=PT * 4.0))
+    b = _prompt(100_000, 5)
+    retried = emu.m["flatcake_prefetch_retries"].labels("tiered")
+
+    async def scenario() -> Outcome:
+        long = asyncio.create_task(emu.prefill(_prompt(900_000, 8)))  # 2 s on the GPU
+        await async_wait_until(lambda: _async(not emu.waiting), what="the long prefill to be scheduled")
+        ahead = []
+        for i in range(10):  # one page each: a quarter second each, one scheduling pass each
+            ahead.append(asyncio.create_task(emu.prefill(_prompt(200_000 + 1_000 * i, 1))))
+            await async_wait_until(lambda n=i + 1: _async(len(emu.waiting) == n), what="a request to queue")
+        rb = asyncio.create_task(emu.prefill(b))
+        await async_wait_until(lambda: _async(len(emu.waiting) == 11), what="B to queue")
+        job_b = emu.waiting[10]
+        assert job_b.ssd_keys == [] and job_b.lookup_at is not None  # B's lookup missed: a retry is armed
+        _store_on_ssd(emu, b)
+        assert not long.done()
+        await asyncio.gather(long, *ahead)
+        return await rb
+
+    out = _run(emu, scenario)
+    assert retried._value.get() >= 1
+    assert out.hit_pages["ssd"] == 5 and out.unprefetched_pages == 0
