@@ -34,46 +34,126 @@ and client) < ``sglang`` (the HiCache backend). ``config`` and ``constants`` are
 operator shares.
 """
 
-from flatcake.errors import (
-    CapacityError,
-    ConfigError,
-    FencedError,
-    FlatCakeError,
-    NotFoundError,
-    PoolFullError,
-    PrepareError,
-    ProtocolError,
-    StorageIOError,
-    StorageWriteError,
-    UnknownHandleError,
-    UnknownKeyError,
-)
-from flatcake.node_agent.catalog.local import LocalCatalog
-from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, slots_for
-from flatcake.node_agent.config import (
-    AgentConfig,
-    DramConfig,
-    EngineConfig,
-    IOConfig,
-    PlacementConfig,
-    SchedulerConfig,
-    SsdConfig,
-)
-from flatcake.node_agent.datapath.buffers import ThreadBuffers, aligned_empty, round_up
-from flatcake.node_agent.datapath.engine import Engine, PutResult, local_table
-from flatcake.node_agent.datapath.file_pool import create_pool, open_direct
-from flatcake.node_agent.datapath.host_restore import HostRestore
-from flatcake.node_agent.datapath.io_backends import IOBackend, PosixDirectIO
-from flatcake.node_agent.datapath.restore import Restore
-from flatcake.node_agent.policy.coalesce import plan_restore
-from flatcake.node_agent.policy.gva import SSD_THRESHOLD, Medium, needs_ssd
-from flatcake.node_agent.policy.placement import Decision, Hints, Key, Reason, decide
-from flatcake.node_agent.policy.scheduler import Request, Scheduler, hrrn
-from flatcake.node_agent.policy.scopes import Location, ScopeTable
-from flatcake.node_agent.policy.signals import ChainSignals
-from flatcake.node_agent.service import protocol
-from flatcake.node_agent.service.client import AgentConnection, RemoteCatalog, connect, open_index
-from flatcake.node_agent.service.main import spawn
+# The face is lazy: importing the package (the operator does, for ``config`` and ``constants``) loads
+# none of the engine, numpy or msgpack; a name is imported from its module on first use (PEP 562).
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flatcake.errors import (
+        CapacityError,
+        ConfigError,
+        FencedError,
+        FlatCakeError,
+        NotFoundError,
+        PoolFullError,
+        PrepareError,
+        ProtocolError,
+        StorageIOError,
+        StorageWriteError,
+        UnknownHandleError,
+        UnknownKeyError,
+    )
+    from flatcake.node_agent.catalog.local import LocalCatalog
+    from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, slots_for
+    from flatcake.node_agent.config import (
+        AgentConfig,
+        DramConfig,
+        EngineConfig,
+        IOConfig,
+        PlacementConfig,
+        SchedulerConfig,
+        SsdConfig,
+    )
+    from flatcake.node_agent.datapath.buffers import ThreadBuffers, aligned_empty, round_up
+    from flatcake.node_agent.datapath.engine import Engine, PutResult, local_table
+    from flatcake.node_agent.datapath.file_pool import create_pool, open_direct
+    from flatcake.node_agent.datapath.host_restore import HostRestore
+    from flatcake.node_agent.datapath.io_backends import IOBackend, PosixDirectIO
+    from flatcake.node_agent.datapath.restore import Restore
+    from flatcake.node_agent.policy.coalesce import plan_restore
+    from flatcake.node_agent.policy.gva import SSD_THRESHOLD, Medium, needs_ssd
+    from flatcake.node_agent.policy.placement import Decision, Hints, Key, Reason, decide
+    from flatcake.node_agent.policy.scheduler import Request, Scheduler, hrrn
+    from flatcake.node_agent.policy.scopes import Location, ScopeTable
+    from flatcake.node_agent.policy.signals import ChainSignals
+    from flatcake.node_agent.service import protocol
+    from flatcake.node_agent.service.client import AgentConnection, RemoteCatalog, connect, open_index
+    from flatcake.node_agent.service.main import spawn
+
+_EXPORTS = {
+    "AgentConfig": "flatcake.node_agent.config",
+    "AgentConnection": "flatcake.node_agent.service.client",
+    "aligned_empty": "flatcake.node_agent.datapath.buffers",
+    "CapacityError": "flatcake.errors",
+    "ChainSignals": "flatcake.node_agent.policy.signals",
+    "ConfigError": "flatcake.errors",
+    "connect": "flatcake.node_agent.service.client",
+    "create_pool": "flatcake.node_agent.datapath.file_pool",
+    "decide": "flatcake.node_agent.policy.placement",
+    "Decision": "flatcake.node_agent.policy.placement",
+    "DramConfig": "flatcake.node_agent.config",
+    "Engine": "flatcake.node_agent.datapath.engine",
+    "EngineConfig": "flatcake.node_agent.config",
+    "FencedError": "flatcake.errors",
+    "FlatCakeError": "flatcake.errors",
+    "Hints": "flatcake.node_agent.policy.placement",
+    "HostRestore": "flatcake.node_agent.datapath.host_restore",
+    "hrrn": "flatcake.node_agent.policy.scheduler",
+    "IOBackend": "flatcake.node_agent.datapath.io_backends",
+    "IOConfig": "flatcake.node_agent.config",
+    "Key": "flatcake.node_agent.policy.placement",
+    "local_table": "flatcake.node_agent.datapath.engine",
+    "LocalCatalog": "flatcake.node_agent.catalog.local",
+    "Location": "flatcake.node_agent.policy.scopes",
+    "Medium": "flatcake.node_agent.policy.gva",
+    "needs_ssd": "flatcake.node_agent.policy.gva",
+    "NotFoundError": "flatcake.errors",
+    "open_direct": "flatcake.node_agent.datapath.file_pool",
+    "open_index": "flatcake.node_agent.service.client",
+    "PlacementConfig": "flatcake.node_agent.config",
+    "plan_restore": "flatcake.node_agent.policy.coalesce",
+    "PoolFullError": "flatcake.errors",
+    "PosixDirectIO": "flatcake.node_agent.datapath.io_backends",
+    "PrepareError": "flatcake.errors",
+    "protocol": "flatcake.node_agent.service",
+    "ProtocolError": "flatcake.errors",
+    "PutResult": "flatcake.node_agent.datapath.engine",
+    "Reason": "flatcake.node_agent.policy.placement",
+    "RemoteCatalog": "flatcake.node_agent.service.client",
+    "Request": "flatcake.node_agent.policy.scheduler",
+    "Restore": "flatcake.node_agent.datapath.restore",
+    "round_up": "flatcake.node_agent.datapath.buffers",
+    "Scheduler": "flatcake.node_agent.policy.scheduler",
+    "SchedulerConfig": "flatcake.node_agent.config",
+    "ScopeTable": "flatcake.node_agent.policy.scopes",
+    "SharedIndexWriter": "flatcake.node_agent.catalog.shared_index",
+    "slots_for": "flatcake.node_agent.catalog.shared_index",
+    "spawn": "flatcake.node_agent.service.main",
+    "SSD_THRESHOLD": "flatcake.node_agent.policy.gva",
+    "SsdConfig": "flatcake.node_agent.config",
+    "StorageIOError": "flatcake.errors",
+    "StorageWriteError": "flatcake.errors",
+    "ThreadBuffers": "flatcake.node_agent.datapath.buffers",
+    "UnknownHandleError": "flatcake.errors",
+    "UnknownKeyError": "flatcake.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    owner = importlib.import_module(module)
+    # A submodule (``protocol``) is an attribute of its package only once imported.
+    value = getattr(owner, name) if hasattr(owner, name) else importlib.import_module(f"{module}.{name}")
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "SSD_THRESHOLD",

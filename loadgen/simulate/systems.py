@@ -106,6 +106,8 @@ class Job:
     staged: int = 0
     attempts: int = 0
     retry: bool = False
+    lookups: int = 0  # tiered: storage lookups asked again after a miss
+    lookup_at: int | None = None  # tiered: the scheduling pass that asks storage again
     declined: int = 0
     io_pos: int = 0
 
@@ -127,6 +129,7 @@ class Instance:
         self.io: deque[Job] = deque()
         self.io_busy = False
         self.wake_at: float | None = None
+        self.passes = 0  # tiered: scheduling passes so far (SGLang paces lookup retries by them)
 
 
 class System:
@@ -411,21 +414,27 @@ class Tiered(System):
 
     def arrive(self, req: SimRequest) -> None:
         job = self._admit(req)
-        inst, keys, h = job.inst, req.keys, job.hbm_pages
-        d = 0
+        self._look_up(job, job.hbm_pages)
+        self._try_prefetch(job)
+        inst.waiting.append(job)
+        self.dispatch(inst)
+
+    def _look_up(self, job: Job, hbm_pages: int) -> None:
+        """The storage span past HBM and the host tier: what a prefetch would bring."""
+        inst, keys, h, d = job.inst, job.req.keys, hbm_pages, 0
         while h + d < len(keys) and keys[h + d] in inst.l2:
             d += 1
         if self.l3_enabled:
             s = self._l3_prefix(inst.node, keys, h + d)
             job.ssd_keys = list(keys[h + d : h + d + s])
-        self._try_prefetch(job)
-        inst.waiting.append(job)
-        self.dispatch(inst)
 
     def _try_prefetch(self, job: Job) -> None:
         tokens = len(job.ssd_keys) * self.c.page_tokens
         job.retry = False
-        if not self.l3_enabled or not hicache.worth_prefetching(tokens):
+        if not self.l3_enabled:
+            return
+        if not hicache.worth_prefetching(tokens):  # a miss (or too little): asked again passes later
+            job.lookup_at = hicache.miss_retry_at(job.inst.passes, job.lookups)
             return
         inst = job.inst
         if hicache.rate_limited(inst.staging_tokens, self.host_pool_tokens):
@@ -490,6 +499,14 @@ class Tiered(System):
         now, pt = self.loop.now, self.c.page_tokens
         wake: float | None = None
         chosen = None
+        inst.passes += 1
+        for i, job in enumerate(inst.waiting):  # missed lookups due now, the head's dropped (as the emulator)
+            if job.lookup_at is not None and inst.passes >= job.lookup_at:
+                job.lookup_at = None
+                if i:
+                    job.lookups += 1
+                    self._look_up(job, inst.hbm.prefix(job.req.keys))
+                    self._try_prefetch(job)
         for job in inst.waiting:
             if job.retry:
                 self._try_prefetch(job)

@@ -1,0 +1,38 @@
+"""The operator loads the operator↔agent contract (config, constants), not the engine: the node
+agent's public face is lazy (issue 30: importing the handlers used to load 35 node-agent modules,
+numpy and msgpack)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+PROBE = """
+import json, sys
+import {module}
+heavy = ["numpy", "msgpack", "flatcake.node_agent.datapath.engine", "flatcake.node_agent.catalog.local"]
+print(json.dumps([m for m in heavy if m in sys.modules]))
+"""
+
+
+@pytest.mark.parametrize("module", ["flatcake.operator.handlers", "flatcake.node_agent.constants",
+                                    "flatcake.node_agent.config"])  # fmt: skip
+def test_importing_the_operator_or_the_contract_loads_no_engine(module: str) -> None:
+    done = subprocess.run([sys.executable, "-c", PROBE.format(module=module)], capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    assert json.loads(done.stdout) == []
+
+
+def test_the_face_still_gives_every_name_it_lists() -> None:
+    import flatcake.node_agent as face
+
+    for name in face.__all__:
+        assert getattr(face, name) is not None, name
+    assert sorted(dir(face)) == sorted(face.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        face.nope  # noqa: B018
