@@ -416,8 +416,8 @@ class Tiered(System):
         job = self._admit(req)
         self._look_up(job, job.hbm_pages)
         self._try_prefetch(job)
-        inst.waiting.append(job)
-        self.dispatch(inst)
+        job.inst.waiting.append(job)
+        self.dispatch(job.inst)
 
     def _look_up(self, job: Job, hbm_pages: int) -> None:
         """The storage span past HBM and the host tier: what a prefetch would bring."""
