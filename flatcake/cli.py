@@ -364,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--qps", type=_csv(float, "--qps"), help="arrival rates, comma-separated (default 2,4,8)")
     e2e.add_argument("--time-scale", type=_csv(float, "--time-scale"), dest="time_scale",
                      help="replay at the trace's own times x each factor, instead of --qps")  # fmt: skip
-    e2e.add_argument("--systems", type=_csv(str, "--systems"), help="flatcake,tiered,dram (default all)")
+    e2e.add_argument("--systems", type=_csv(str, "--systems"),
+                     help="flatcake,tiered,dram (default); hicache-file (SGLang's file L3), none")  # fmt: skip
     e2e.add_argument("--scheduler", type=_csv(str, "--scheduler"), dest="schedulers",
                      help="FlatCake's scheduler(s): mas (default), fcfs, or mas,fcfs for the ablation")  # fmt: skip
     e2e.add_argument("--repeats", type=int, help="cold runs per point (default 3); spreads are min/median/max")
@@ -547,6 +548,12 @@ def build_parser() -> argparse.ArgumentParser:
                        ("page-tokens", int), ("bytes-per-token-layer", int)):  # fmt: skip
         field = name.replace("-", "_")  # unset: EmulatorConfig's default, shown here
         emulate.add_argument(f"--{name}", type=kind, dest=field, help=f"(default: {EMULATOR_DEFAULTS[field]})")
+    emulate.add_argument(
+        "--l3",
+        choices=["log", "hicache-file"],
+        help="tiered mode: what holds the pages the host tier evicts: an idealized SSD log (default) or SGLang's "
+        "HiCacheFile, one file per page (needs the sglang extra)",
+    )
     emulate.add_argument(
         "--scheduler",
         choices=SCHEDULER_POLICIES,

@@ -41,7 +41,9 @@ from flatcake.node_agent import AgentConfig, spawn
 
 BUNDLED = BUNDLED_TRACE
 FLATCAKE = str(Path(sys.executable).parent / "flatcake")
-SYSTEMS = ("flatcake", "tiered", "dram", "none")  # none: recompute every prompt (no prefix storage)
+# none: recompute every prompt (no prefix storage); hicache-file: tiered with SGLang's HiCacheFile as L3
+SYSTEMS = ("flatcake", "tiered", "hicache-file", "dram", "none")
+MODE = {"hicache-file": "tiered"}  # systems that are an emulator mode with another L3
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,9 @@ def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Poin
     data = work / f"{point.label}-{point.qps:g}-{point.repeat}"
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
-    emu = dataclasses.replace(emu_base, mode=point.system, data_dir=str(data), scheduler=point.scheduler)
+    l3 = "hicache-file" if point.system == "hicache-file" else "log"
+    emu = dataclasses.replace(emu_base, mode=MODE.get(point.system, point.system), data_dir=str(data),
+                              scheduler=point.scheduler, l3=l3)  # fmt: skip
     agent = emulator = None
     logs = []
     try:
@@ -208,8 +212,9 @@ def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Poin
             agent = spawn(engine, data, logs[-1])
             emu = dataclasses.replace(emu, agent_socket=sock)
         port = free_port()
-        args = [FLATCAKE, "emulate", "--mode", point.system, "--port", str(port), "--data-dir", str(data),
-                "--model", str(emu.model), "--gpu", emu.gpu, "--prefetch-policy", emu.prefetch_policy]  # fmt: skip
+        args = [FLATCAKE, "emulate", "--mode", emu.mode, "--port", str(port), "--data-dir", str(data),
+                "--model", str(emu.model), "--gpu", emu.gpu, "--prefetch-policy", emu.prefetch_policy,
+                "--l3", emu.l3]  # fmt: skip
         for name in ("hbm_bytes", "dram_bytes", "ssd_bytes", "scope_file_bytes"):
             args += [f"--{name.replace('_', '-')}", str(getattr(emu, name))]
         if emu.scheduler:

@@ -12,6 +12,7 @@ from flatcake.node_agent.constants import SCHEDULER_POLICIES
 
 MODES = ("flatcake", "tiered", "dram", "none")
 MiB = 1 << 20
+L3_BACKENDS = ("log", "hicache-file")  # tiered: the idealized SSD log, or SGLang's HiCacheFile
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class EmulatorConfig:
     scheduler: str | None = None
     prefetch_policy: str = hicache.DEFAULT_PREFETCH_POLICY  # tiered: SGLang's prefetch stop policy
     prefetchers: int = 2  # flatcake: concurrent SSD prefetches
+    l3: str = "log"  # tiered: what holds the pages the host tier evicts (L3_BACKENDS)
 
     @property
     def page_bytes(self) -> int:
@@ -63,6 +65,8 @@ class EmulatorConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode: {self.mode!r} must be one of {MODES}")
+        if self.l3 not in L3_BACKENDS:
+            raise ConfigError(f"l3: {self.l3!r} must be one of {', '.join(L3_BACKENDS)}")
         # Checked before anything is created (``serve`` binds, then makes the pools).
         for name in ("hbm_bytes", "ssd_bytes", "scope_file_bytes", "layers", "page_tokens", "bytes_per_token_layer",
                      "prefetchers"):  # fmt: skip

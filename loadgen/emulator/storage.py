@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from flatcake.loadgen.emulator.config import EmulatorConfig, MiB
 from flatcake.loadgen.overlap import even_arrivals
+from flatcake.loadgen.systems.sglang import HiCacheFilePages
 from flatcake.loadgen.systems.tiered import TieredStore
 from flatcake.node_agent import (
     SSD_THRESHOLD,
@@ -53,10 +54,12 @@ class Storage:
                 self.engine = Engine(engine_config(cfg, root))
         elif cfg.mode in ("tiered", "dram"):
             bucket = max(cfg.page_span, (64 * MiB) // cfg.page_span * cfg.page_span)
+            files = cfg.mode == "tiered" and cfg.l3 == "hicache-file"
+            l3 = HiCacheFilePages(root / "hicache", cfg.layers, cfg.page_bytes) if files else None
+            log_buckets = -(-cfg.ssd_bytes // bucket) if cfg.mode == "tiered" and l3 is None else 0
             self.tiered = TieredStore(root, layers=cfg.layers, page_bytes=cfg.page_bytes,
                                       dram_pages=max(1, cfg.dram_bytes // cfg.page_span), bucket_bytes=bucket,
-                                      buckets=-(-cfg.ssd_bytes // bucket) if cfg.mode == "tiered" else 0,
-                                      workers=4, reader="whole_page")  # fmt: skip
+                                      buckets=log_buckets, workers=4, reader="whole_page", l3=l3)  # fmt: skip
 
     def media(self, keys: list[str]) -> list[str]:
         """Medium of each page of the stored prefix of ``keys``."""

@@ -333,3 +333,31 @@ class HiCacheFileSystem(_SGLangSystem):
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class HiCacheFilePages:
+    """SGLang's ``HiCacheFile`` as the tiered cache's L3 (``TieredStore(l3=...)``, the emulator's
+    ``--l3 hicache-file``): one file per page under ``directory``, written with ``set`` (buffered
+    ``tofile`` to a temporary name, renamed into place) and read with ``get`` (``readinto`` the page),
+    the calls SGLang's cache controller makes for this backend one page at a time."""
+
+    def __init__(self, directory: Path, layers: int, page_bytes: int) -> None:
+        self.torch, _ = _import_sglang()
+        from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+
+        directory.mkdir(parents=True, exist_ok=True)
+        config = HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+            enable_storage_metrics=False, is_page_first_layout=True, model_name="emulator/model",
+            extra_config={"file_storage_path": str(directory)},
+        )  # fmt: skip
+        self.backend = HiCacheFile(config)
+        self.page_span = layers * page_bytes
+
+    def set(self, key: Key, page: Array) -> bool:
+        flat = self.torch.from_numpy(np.ascontiguousarray(page).reshape(-1))
+        return bool(self.backend.set(str(key), flat))
+
+    def get(self, key: Key, into: Array) -> bool:
+        got = self.backend.get(str(key), self.torch.from_numpy(into.reshape(-1)))
+        return got is not None

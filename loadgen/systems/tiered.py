@@ -6,6 +6,10 @@ through the same O_DIRECT primitives FlatCake uses.
 Two readers: ``whole_page`` (the honest baseline: one command per page, all its layers, as SGLang's
 ``page_first`` layouts and Mooncake's per-page objects read) and ``page_layer`` (one command per
 page-layer: the fragmented access the paper measures, kept as ``tiered_naive``).
+
+The L3 may instead be a real storage backend (``l3=``, a ``PageStore``: SGLang's ``HiCacheFile``, one
+file per page, in ``loadgen/systems/sglang.py``): evicted pages are written through it and prefetched
+pages read back through it, whole pages, one at a time, as SGLang's I/O thread calls a backend.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -22,6 +27,13 @@ from flatcake.loadgen.systems.base import Array, MiB, RequestTiming, RestoreCoun
 from flatcake.node_agent import Key, PosixDirectIO, aligned_empty, create_pool
 
 READERS = ("whole_page", "page_layer")
+
+
+class PageStore(Protocol):
+    """A real L3: whole pages (``[layers][page_bytes]`` uint8) by key."""
+
+    def set(self, key: Key, page: Array) -> bool: ...
+    def get(self, key: Key, into: Array) -> bool: ...
 
 
 class TieredStore:
@@ -40,6 +52,7 @@ class TieredStore:
         workers: int = 2,
         reader: str = "whole_page",
         host_pool_pages: int = 0,
+        l3: PageStore | None = None,
     ) -> None:
         if reader not in READERS:
             raise ValueError(f"reader: {reader!r} must be one of {', '.join(READERS)}")
@@ -51,6 +64,9 @@ class TieredStore:
         if bucket_bytes <= 0:
             raise ValueError("bucket_bytes: must hold at least one page of all layers")
         self.bucket_bytes, self.buckets = bucket_bytes, buckets
+        self.store = l3  # a real L3 instead of the log (then ``buckets`` is 0)
+        if l3 is not None and reader != "whole_page":
+            raise ValueError("l3: a page store is read whole pages at a time (reader 'whole_page')")
         # buckets=0: DRAM only (an L2 cache with no L3): evicted pages are simply dropped.
         files = create_pool(directory, buckets, bucket_bytes).files if buckets else []
         self.io = PosixDirectIO([str(Path(directory) / f) for f in files], workers)
@@ -109,10 +125,10 @@ class TieredStore:
         victims = []
         while len(self.l2) > self.dram_pages:
             key, page = self.l2.popitem(last=False)
-            if not self.buckets:
+            if not self.buckets and self.store is None:
                 self.dropped_pages += 1
             elif key not in self.l3:  # a promoted page is still on SSD: nothing to write
-                victims.append((key, page, self._reserve()))
+                victims.append((key, page, self._reserve() if self.store is None else (-1, 0, 0)))
         return victims
 
     def _reserve(self) -> tuple[int, int, int]:
@@ -133,6 +149,11 @@ class TieredStore:
 
     def _write_back(self, victims: list[tuple[Key, Array, tuple[int, int, int]]]) -> None:
         for key, page, (bucket, offset, gen) in victims:
+            if self.store is not None:
+                if self.store.set(key, page):
+                    with self._lock:
+                        self.l3[key] = (-1, 0)
+                continue
             buf = aligned_empty(self.page_span)
             buf.reshape(self.layers, self.page_bytes)[...] = page
             self.io.submit_write(0, bucket, offset, [buf]).result()
@@ -187,6 +208,14 @@ class TieredStore:
                         bucket, offset = on_ssd[i]
                         reads.append((i, (bucket, offset + layer * pb), staging[layer, i]))
         c.staging_peak_bytes = max(c.staging_peak_bytes, staging.nbytes)
+        if self.store is not None:  # one page at a time through the backend, as SGLang's I/O thread
+            for i, _, buf in reads:
+                c.read_commands += 1
+                if self.store.get(keys[i], buf):
+                    c.bytes_read += buf.nbytes
+                else:
+                    missing.add(i)
+            reads = []
         pending = [(i, buf.nbytes, self.io.submit_read(rr, bucket, offset, buf))
                    for rr, (i, (bucket, offset), buf) in enumerate(reads)]  # fmt: skip
         for i, want, fut in pending:
