@@ -43,7 +43,7 @@ BUNDLED = BUNDLED_TRACE
 FLATCAKE = str(Path(sys.executable).parent / "flatcake")
 # none: recompute every prompt (no prefix storage); hicache-file: tiered with SGLang's HiCacheFile as L3
 SYSTEMS = ("flatcake", "tiered", "hicache-file", "dram", "none")
-MODE = {"hicache-file": "tiered"}  # systems that are an emulator mode with another L3
+EMULATE = {"hicache-file": ("tiered", "hicache-file")}  # system -> (emulator mode, L3), where not (system, log)
 
 
 @dataclass(frozen=True)
@@ -198,9 +198,8 @@ def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Poin
     data = work / f"{point.label}-{point.qps:g}-{point.repeat}"
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
-    l3 = "hicache-file" if point.system == "hicache-file" else "log"
-    emu = dataclasses.replace(emu_base, mode=MODE.get(point.system, point.system), data_dir=str(data),
-                              scheduler=point.scheduler, l3=l3)  # fmt: skip
+    mode, l3 = EMULATE.get(point.system, (point.system, "log"))
+    emu = dataclasses.replace(emu_base, mode=mode, data_dir=str(data), scheduler=point.scheduler, l3=l3)
     agent = emulator = None
     logs = []
     try:

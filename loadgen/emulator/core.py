@@ -66,6 +66,13 @@ def page_keys(tokens: Sequence[int], page_tokens: int) -> list[str]:
     return keys
 
 
+def ssd_span(keys: list[str], hbm: int, media: list[str]) -> list[str]:
+    """The pages a prefetch brings: from the first SSD page of the stored span past HBM (``media``,
+    one entry per stored page after ``keys[:hbm]``) to its end."""
+    first = media.index("ssd") if "ssd" in media else len(media)
+    return keys[hbm + first : hbm + len(media)]
+
+
 @dataclass
 class Outcome:
     prompt_tokens: int
@@ -206,16 +213,14 @@ class Emulator:
         hbm = self._hbm_prefix(keys)
         self.signals.observe(keys[:hbm], keys[hbm:])  # SGLang's hit query names the chain past HBM
         media = await asyncio.get_running_loop().run_in_executor(self._pool, self.storage.media, keys[hbm:])
-        n_dram = media.index("ssd") if "ssd" in media else len(media)
-        ssd_keys = keys[hbm + n_dram : hbm + len(media)]
-        job = _Job(next(self._ids), keys, ssd_keys, out)
+        job = _Job(next(self._ids), keys, ssd_span(keys, hbm, media), out)
         async with self._cond:
             if self.sglang_like:
                 self._try_prefetch(job)
                 self.waiting.append(job)
                 self._tiered_depths()
             else:
-                req = Request(str(job.id), out.arrival, ssd_bytes=len(ssd_keys) * cfg.page_span)
+                req = Request(str(job.id), out.arrival, ssd_bytes=len(job.ssd_keys) * cfg.page_span)
                 self._jobs[req.id] = job
                 out.queue = self.sched.arrive(req)
                 self._depths()
@@ -398,14 +403,8 @@ class Emulator:
         wake: float | None = None
         pt = self.cfg.page_tokens
         self._passes += 1
-        # Missed lookups due now are asked again before admission, over the whole queue, in its order
-        # (SGLang's _process_storage_prefetch_retries); the head's pending retry is dropped.
-        for i, job in enumerate(self.waiting):
-            if job.lookup_at is not None and self._passes >= job.lookup_at:
-                if i == 0:
-                    job.lookup_at = None
-                else:
-                    self._look_up_again(job)
+        for job in hicache.due_lookups(self.waiting, self._passes):  # before admission, as SGLang
+            self._look_up_again(job)
         for job in self.waiting:
             if job.retry:
                 self._try_prefetch(job)
@@ -424,13 +423,9 @@ class Emulator:
     def _look_up_again(self, job: _Job) -> None:
         """A missed storage lookup asked again: pages stored since (another request's write-back) may
         now be prefetched. In-memory lookups only (the tiered store's maps), so it runs on the loop."""
-        job.lookups += 1
-        job.lookup_at = None
         self.m["flatcake_prefetch_retries"].labels(self.cfg.mode).inc()
         hbm = self._hbm_prefix(job.keys)
-        media = self.storage.media(job.keys[hbm:])
-        start = hbm + (media.index("ssd") if "ssd" in media else len(media))
-        job.ssd_keys = job.keys[start : hbm + len(media)]
+        job.ssd_keys = ssd_span(job.keys, hbm, self.storage.media(job.keys[hbm:]))
         self._try_prefetch(job)
 
     async def _tiered_gpu_loop(self) -> None:

@@ -500,13 +500,9 @@ class Tiered(System):
         wake: float | None = None
         chosen = None
         inst.passes += 1
-        for i, job in enumerate(inst.waiting):  # missed lookups due now, the head's dropped (as the emulator)
-            if job.lookup_at is not None and inst.passes >= job.lookup_at:
-                job.lookup_at = None
-                if i:
-                    job.lookups += 1
-                    self._look_up(job, inst.hbm.prefix(job.req.keys))
-                    self._try_prefetch(job)
+        for job in hicache.due_lookups(inst.waiting, inst.passes):
+            self._look_up(job, inst.hbm.prefix(job.req.keys))
+            self._try_prefetch(job)
         for job in inst.waiting:
             if job.retry:
                 self._try_prefetch(job)

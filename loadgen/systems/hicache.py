@@ -32,7 +32,9 @@ Read from SGLang 0.5.23 (cited by file and function; no code taken):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DEFAULT_PREFETCH_POLICY = "timeout"
@@ -100,3 +102,24 @@ class Prefetch:
 def miss_retry_at(passes: int, attempts: int) -> int | None:
     """The pass at which a lookup that missed is asked again, or None once the retries are spent."""
     return passes + RETRY_POLL_INTERVAL if attempts < RETRY_MAX_ATTEMPTS else None
+
+
+class MissedLookup(Protocol):
+    lookups: int  # lookups asked again so far
+    lookup_at: int | None  # the pass that asks again; None: none pending
+
+
+W = TypeVar("W", bound=MissedLookup)
+
+
+def due_lookups(waiting: Sequence[W], passes: int) -> list[W]:
+    """The waiting requests whose missed lookup is asked again at pass ``passes``, in queue order (each
+    counted); the head's pending retry is dropped instead (SGLang's ``_process_storage_prefetch_retries``)."""
+    due = []
+    for i, job in enumerate(waiting):
+        if job.lookup_at is not None and passes >= job.lookup_at:
+            job.lookup_at = None
+            if i:
+                job.lookups += 1
+                due.append(job)
+    return due

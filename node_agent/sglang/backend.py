@@ -265,9 +265,7 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
                extra_info: HiCacheStorageExtraInfo | None, *, record: bool) -> bool:  # fmt: skip
         """Put ``kv`` (``[layers][len(keys) * chunks][page_bytes]``) run by run: a prompt shared by several
         live requests apart from the request's own pages, each with its own hints."""
-        prefix = self._prefix(extra_info)
-        self.signals.observe(prefix, keys)
-        runs = self.signals.derive(prefix, keys, self.page_tokens)
+        runs = self.signals.write(self._prefix(extra_info), keys, self.page_tokens)
         try:
             for run in runs:
                 names = [namer(k) if chunks == 1 else f"{namer(k)}/{c}" for k in keys[run.start : run.stop]
