@@ -21,6 +21,11 @@ scheduler skips a request whose prefetch may not stop yet under the stop policy 
 arrived when it stops is recomputed, as are pages that reached storage after admission. FlatCake
 restores whatever is stored when the request is scheduled, streaming into HBM through its bounded
 window, which waits instead; requests are ordered by FC-MAS (or FCFS, for the ablation).
+
+Prepared pages (read from SSD before dispatch) wait in the request's host staging, never in HBM, for
+both sides: SGLang holds them in its host pool until the request loads them. Both are bounded the
+same way, by the tokens in flight against half the host pool: tiered declines past it, FlatCake's
+prefetches wait. At dispatch they are copied into HBM layer by layer under the prefill.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from prometheus_client import CollectorRegistry, Gauge
 
 from flatcake import metrics as M
@@ -50,6 +56,7 @@ from flatcake.node_agent import (
     Engine,
     Request,
     Scheduler,
+    aligned_empty,
 )
 
 log = logging.getLogger(__name__)
@@ -107,7 +114,7 @@ class Emulator:
         self.cfg = cfg
         self.storage = Storage(cfg)
         self.hbm: OrderedDict[str, None] = OrderedDict()
-        self.pinned: dict[str, int] = {}  # prefetched pages waiting for their prefill: not evicted
+        self.pinned: dict[str, int] = {}  # new pages until written back: not evicted
         self.hbm_pages = max(1, cfg.hbm_bytes // cfg.page_span)
         # Write-time signals as SGLang's backend derives them from the key chains it is shown (lookups
         # at arrival, write-backs after prefill): the backend's own ChainSignals.
@@ -202,9 +209,9 @@ class Emulator:
     async def prefill(self, tokens: Sequence[int]) -> Outcome:
         """Admit, prefetch, schedule and prefill one prompt; returns when its first token is ready.
 
-        At arrival the prefix is looked up; pages found on SSD are prefetched into HBM in the
-        background (pinned there until this request's prefill). At dispatch whatever is not in HBM
-        by then is looked up again and loaded inline (DRAM, or pages stored meanwhile)."""
+        At arrival the prefix is looked up; pages found on SSD are prefetched into the request's host
+        staging in the background. At dispatch they are copied into HBM, and whatever is in neither is
+        looked up again and loaded inline (DRAM, or pages stored meanwhile)."""
         assert self._cond is not None
         cfg = self.cfg
         out = Outcome(len(tokens), arrival=time.monotonic())
@@ -274,25 +281,36 @@ class Emulator:
                 del self.hbm[key]
                 excess -= 1
 
+    def _unstage(self, job: _Job) -> None:
+        """A scheduled request's prepared tokens leave the in-flight count (its pages are copied in now)."""
+        if job.staged:
+            self._staging_add(-job.staged)
+            job.staged = 0
+
     def _staging_add(self, tokens: int) -> None:
         self.staging_tokens += tokens
         self.m["flatcake_staging_tokens"].labels(self.cfg.mode).set(self.staging_tokens)
         self.m["flatcake_staging_bytes"].labels(self.cfg.mode).set(self.staging_tokens * self._token_bytes)
 
     async def _restore(
-        self, pool: ThreadPoolExecutor, keys: list[str], ssd_pages: int, promote: bool = False
+        self,
+        pool: ThreadPoolExecutor,
+        keys: list[str],
+        ssd_pages: int,
+        promote: bool = False,
+        dest: npt.NDArray[np.uint8] | None = None,
     ) -> tuple[int, list[float]]:
         """``storage.restore`` on ``pool``: pages arrived and each layer's time; restores that read SSD pages
         count their bytes and the time with any of them in flight (the storage's rate as this run sees
         it: ``simulate --validate`` uses it)."""
         loop = asyncio.get_running_loop()
         if not ssd_pages:
-            return await loop.run_in_executor(pool, self.storage.restore, keys, promote)
+            return await loop.run_in_executor(pool, self.storage.restore, keys, promote, dest)
         if not self._ssd_inflight:
             self._ssd_busy_since = time.monotonic()
         self._ssd_inflight += 1
         try:
-            got, times = await loop.run_in_executor(pool, self.storage.restore, keys, promote)
+            got, times = await loop.run_in_executor(pool, self.storage.restore, keys, promote, dest)
         finally:
             self._ssd_inflight -= 1
             if not self._ssd_inflight:
@@ -303,31 +321,39 @@ class Emulator:
 
     # ---- FlatCake: FC-MAS (or FCFS) queues, prefetches that wait for window space ---------------
     async def _prefetch_loop(self) -> None:
-        """SSD prefetches, in the scheduler's order (HRRN by volume for FlatCake, arrival for FCFS)."""
+        """SSD prefetches, in the scheduler's order (HRRN by volume for FlatCake, arrival for FCFS), into
+        host staging while the tokens staged stay below SGLang's bound (half the host pool): past it a
+        prefetch waits for a dispatch to free staging, where tiered's is declined."""
         assert self._cond is not None
         while True:
             async with self._cond:
                 req = None
                 while req is None:
-                    req = self.sched.next_prefetch(time.monotonic())
+                    if not hicache.rate_limited(self.staging_tokens, self.host_pool_tokens):
+                        req = self.sched.next_prefetch(time.monotonic())
                     if req is None:
                         await self._cond.wait()
-            job = self._jobs[req.id]
+                job = self._jobs[req.id]
+                job.staged = len(job.ssd_keys) * self.cfg.page_tokens
+                self._staging_add(job.staged)
             started = time.monotonic()
-            # FlatCake streams into HBM through its bounded window, which waits when full and never declines.
-            got, _ = await self._restore(self._pool, job.ssd_keys, len(job.ssd_keys))
-            self._prefetched(job, job.ssd_keys[:got])
+            # FlatCake's restore streams through its bounded window, which waits when full and never declines.
+            stage = self._stage(len(job.ssd_keys))
+            got, _ = await self._restore(self._pool, job.ssd_keys, len(job.ssd_keys), dest=stage)
+            self._prefetched(job, job.ssd_keys[:got], stage)
             self.m["flatcake_prefetch_seconds"].labels(self.cfg.mode).observe(time.monotonic() - started)
             async with self._cond:
                 self.sched.prefetch_done(req.id)
                 self._depths()
                 self._cond.notify_all()
 
-    def _prefetched(self, job: _Job, keys: list[str]) -> None:
-        for key in keys:
-            job.prefetched[key] = "ssd"
-        self._pin(keys, +1)
-        self._hbm_insert(keys)
+    def _stage(self, pages: int) -> npt.NDArray[np.uint8]:
+        return aligned_empty((self.cfg.layers, pages, self.cfg.page_bytes))
+
+    def _prefetched(self, job: _Job, keys: list[str], stage: npt.NDArray[np.uint8]) -> None:
+        """Pages read into ``stage`` (host staging) for ``job``: held there until its prefill copies them."""
+        for i, key in enumerate(keys):
+            job.held[key] = (stage, i)
 
     async def _gpu_loop(self) -> None:
         """One GPU: prefills one request at a time, in the scheduler's dispatch order."""
@@ -339,8 +365,11 @@ class Emulator:
                     req = self.sched.next_dispatch()
                     if req is None:
                         await self._cond.wait()
+                job = self._jobs.pop(req.id)
+                self._unstage(job)
                 self._depths()
-            await self._run_prefill(self._jobs.pop(req.id))
+                self._cond.notify_all()  # staging freed: a waiting prefetch may start
+            await self._run_prefill(job)
 
     # ---- tiered: SGLang HiCache's prefetch and scheduling rules ----------------------------------
     def _try_prefetch(self, job: _Job) -> None:
@@ -371,8 +400,8 @@ class Emulator:
 
     async def _tiered_prefetch_loop(self) -> None:
         """SGLang's prefetch I/O thread: one operation at a time, in 128-page batches, stopping between
-        batches once the scheduler has terminated it. Arrived pages are held in HBM for the request
-        (SGLang holds them in its host pool until the request loads them) and join the host tier."""
+        batches once the scheduler has terminated it. Arrived pages are held in the request's host
+        staging (SGLang holds them in its host pool until the request loads them) and join the host tier."""
         assert self._cond is not None and self._io_queue is not None
         while True:
             job = await self._io_queue.get()
@@ -383,10 +412,11 @@ class Emulator:
                 if op.terminated:
                     break
                 batch = job.ssd_keys[lo : lo + hicache.STORAGE_BATCH_PAGES]
-                got, _ = await self._restore(self._prefetch_io, batch, len(batch), promote=True)
+                stage = self._stage(len(batch))
+                got, _ = await self._restore(self._prefetch_io, batch, len(batch), promote=True, dest=stage)
                 async with self._cond:
                     if not op.terminated:  # a stopped prefetch's late pages are not the request's
-                        self._prefetched(job, batch[:got])
+                        self._prefetched(job, batch[:got], stage)
                         op.completed += got
                     self._cond.notify_all()
                 if got < len(batch):
@@ -439,9 +469,7 @@ class Emulator:
                     timeout = None if wake is None else max(0.0, wake - time.monotonic()) + 1e-3
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._cond.wait(), timeout)
-                if job.staged:  # the prefetch is handled: its tokens leave the in-flight count
-                    self._staging_add(-job.staged)
-                    job.staged = 0
+                self._unstage(job)  # the prefetch is handled: its tokens leave the in-flight count
                 if job.retry or (job.attempts and job.op is None):
                     job.declined = len(job.ssd_keys)  # scheduled before any retry got capacity
                 self._tiered_depths()
@@ -457,14 +485,22 @@ class Emulator:
         keys = job.keys
         hits = out.hit_pages
         cached = 0
-        prefetched = dict(job.prefetched)
         arrivals: list[float] = []  # when each layer restored inline for this prefill was in HBM
-        # Walk the prefix: pages in HBM (resident, or prefetched for this request), then pages
-        # looked up again in storage (stored since arrival count), then HBM again, and so on.
+        # Walk the prefix: pages in HBM or prepared in this request's staging (copied in now), then
+        # pages looked up again in storage (stored since arrival count), then HBM again, and so on.
         while True:
-            while cached < len(keys) and keys[cached] in self.hbm:
-                hits[prefetched.get(keys[cached], "hbm")] += 1
+            held: dict[int, tuple[npt.NDArray[np.uint8], list[int]]] = {}
+            while cached < len(keys) and (keys[cached] in self.hbm or keys[cached] in job.held):
+                if keys[cached] in self.hbm:
+                    hits["hbm"] += 1
+                else:
+                    stage, i = job.held[keys[cached]]
+                    held.setdefault(id(stage), (stage, []))[1].append(i)
+                    hits["ssd"] += 1
                 cached += 1
+            if held:
+                times = await loop.run_in_executor(self._pool, self.storage.load_held, list(held.values()))
+                arrivals = latest(arrivals, times)
             if cached == len(keys):
                 break
             late = await loop.run_in_executor(self._pool, self.storage.media, keys[cached:])
@@ -493,7 +529,7 @@ class Emulator:
         compute = cfg.prefill_seconds(miss_tokens, cached * cfg.page_tokens)
         end = prefill_end(out.prefill_start, arrivals, cfg.layers, compute)
         await asyncio.sleep(max(0.0, end - time.monotonic()))
-        self._pin(list(job.prefetched), -1)
+        job.held.clear()
         self._hbm_insert(keys)  # the whole prompt is in HBM after prefill
         new = keys[cached:]
         if new:
@@ -552,7 +588,8 @@ class Emulator:
         and find their prefixes in the storage under test, which keeps everything. Write-backs still
         running are waited for first (their pages are pinned in HBM until stored), so a flush that
         returns has dropped every page of every answered request, however slow the storage is. Pages
-        prefetched for a request still waiting stay. Returns the pages dropped."""
+        prepared for a request still waiting are in its host staging, not HBM, and stay. Returns the
+        pages dropped."""
         while self._writes:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in list(self._writes)), return_exceptions=True)
             await asyncio.sleep(0)  # the writer's unpin callbacks, queued before the gather woke, run now
@@ -569,11 +606,11 @@ class _Job:
     ssd_keys: list[str]  # found on SSD at arrival: prefetched in the background
     outcome: Outcome
     declined: int = 0
-    staged: int = 0  # tiered: tokens counted in flight until the request is scheduled
+    staged: int = 0  # tokens counted in flight (prepared in host staging) until the request is scheduled
     op: hicache.Prefetch | None = None  # tiered: its storage prefetch
     attempts: int = 0  # tiered: declined prefetch attempts
     retry: bool = False  # tiered: declined, to be retried at the next scheduling pass
     lookups: int = 0  # tiered: storage lookups asked again after a miss
     lookup_at: int | None = None  # tiered: the scheduling pass that asks storage again (a missed lookup)
-    prefetched: dict[str, str] = field(default_factory=dict)  # key -> medium it was prefetched from
+    held: dict[str, tuple[npt.NDArray[np.uint8], int]] = field(default_factory=dict)  # prepared: key -> (staging, page)
     done: asyncio.Event = field(default_factory=asyncio.Event)

@@ -74,16 +74,20 @@ class Storage:
             return self.tiered.media(keys)
         return []
 
-    def restore(self, keys: list[str], promote: bool = False) -> tuple[int, list[float]]:
+    def restore(
+        self, keys: list[str], promote: bool = False, dest: npt.NDArray[np.uint8] | None = None
+    ) -> tuple[int, list[float]]:
         """Bring pages to HBM (really read them); returns how many of the leading pages arrived and when
         each layer did (``time.monotonic``; empty when nothing was read): the prefill overlaps them
         (loadgen/overlap.py). FlatCake's restore yields its layers as they land; the tiered host tier's
         copy moves whole pages, and SGLang moves them to the device layer by layer
         (``LayerDoneCounter``), so its layers are charged as one copy at one rate.
-        ``promote``: the tiered host tier keeps what was read from SSD (a finished SGLang prefetch)."""
+        ``promote``: the tiered host tier keeps what was read from SSD (a finished SGLang prefetch).
+        ``dest``: where the pages land (a prepared request's host staging); else a reused buffer."""
         if not keys:
             return 0, []
-        dest = self._dests.get((self.cfg.layers, len(keys), self.cfg.page_bytes))
+        if dest is None:
+            dest = self._dests.get((self.cfg.layers, len(keys), self.cfg.page_bytes))
         if self.engine is not None:
             times: list[float] = []
             try:
@@ -103,6 +107,23 @@ class Storage:
                 self.tiered.promote(keys[: len(media)], dest)
             return len(media), even_arrivals(started, time.monotonic(), self.cfg.layers)
         return 0, []
+
+    def load_held(self, held: list[tuple[npt.NDArray[np.uint8], list[int]]]) -> list[float]:
+        """Copy a prepared request's pages from its host staging into HBM (``held``: staging buffers and
+        the pages of each to take), layer by layer as SGLang's load-back moves them; returns when each
+        layer was in (the prefill overlaps them)."""
+        pages = sum(len(idx) for _, idx in held)
+        if not pages:
+            return []
+        dest = self._dests.get((self.cfg.layers, pages, self.cfg.page_bytes))
+        times = []
+        for layer in range(self.cfg.layers):
+            at = 0
+            for buf, idx in held:
+                dest[layer, at : at + len(idx)] = buf[layer, idx]
+                at += len(idx)
+            times.append(time.monotonic())
+        return times
 
     def store(self, prefix: list[str], keys: list[str], signals: ChainSignals) -> list[str]:
         """Write-back of newly computed pages after ``prefix`` (in the background; not on the TTFT path),

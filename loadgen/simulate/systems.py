@@ -100,10 +100,10 @@ class Job:
     leases: list[Any] = field(default_factory=list)  # FlatCake: pinned scopes, released once stored
     ssd_keys: list[int] = field(default_factory=list)
     ssd_locs: list[Location] = field(default_factory=list)
-    prefetched: set[int] = field(default_factory=set)
+    prefetched: set[int] = field(default_factory=set)  # prepared in host staging: copied in at dispatch
+    staged: int = 0  # tokens prepared (in flight) until the request is dispatched
     # tiered (SGLang HiCache)
     op: hicache.Prefetch | None = None
-    staged: int = 0
     attempts: int = 0
     retry: bool = False
     lookups: int = 0  # tiered: storage lookups asked again after a miss
@@ -147,6 +147,10 @@ class System:
         self.instances = [[Instance(n, i, c) for i in range(c.instances_per_node)] for n in range(c.nodes)]
         self.records: list[Record] = []
         self.on_done: Callable[[Record], None] | None = None
+        # Each instance's host pool is its ranks' share of the node's DRAM; prepared pages wait in host
+        # staging, bounded by half of it for every system (SGLang's rule: hicache.capacity_tokens).
+        self.l2_pages = max(1, c.dram_bytes // c.instances_per_node // c.page_span)
+        self.host_pool_tokens = self.l2_pages * c.page_tokens
         self.useful_ssd_bytes = 0  # bytes of SSD pages that reached a prefill as hits
         self.ssd_pages_read = 0
         self.store_failures = 0
@@ -170,18 +174,40 @@ class System:
         inst.hbm.touch(req.keys[:h])
         return Job(req, rec, inst, h)
 
-    def _finish_prefill(self, job: Job, cached: int, dram_pages: int, ready: float | None = None) -> None:
+    def _resident(self, job: Job, start: int) -> tuple[int, int]:
+        """The pages from ``start`` in HBM or prepared in the job's host staging, counted as hits:
+        (how many, how many of them staged, to copy in)."""
+        keys, hbm, hit = job.req.keys, job.inst.hbm, job.rec.hit
+        n = staged = 0
+        while start + n < len(keys):
+            key = keys[start + n]
+            if key in hbm:
+                hit["hbm"] += 1
+            elif key in job.prefetched:
+                hit["ssd"] += 1
+                staged += 1
+            else:
+                break
+            n += 1
+        return n, staged
+
+    def _unstage(self, job: Job) -> None:
+        """A dispatched request's prepared tokens leave the in-flight count (its pages are copied in now)."""
+        job.inst.staging_tokens -= job.staged
+        job.staged = 0
+
+    def _finish_prefill(self, job: Job, cached: int, host_pages: int, ready: float | None = None) -> None:
         """Start the prefill of the uncached tokens, its compute overlapping the layers restored for it
-        (DRAM pages copied in; ``ready``: when an inline SSD read lands; each moves its layers in turn
-        at one rate): the rule the emulator charges too (loadgen/overlap.py). The GPU is busy from now
-        until the first token."""
+        (``host_pages`` copied in from DRAM or host staging; ``ready``: when an inline SSD read lands;
+        each moves its layers in turn at one rate): the rule the emulator charges too
+        (loadgen/overlap.py). The GPU is busy from now until the first token."""
         c, now, rec = self.c, self.loop.now, job.rec
         rec.start = now
         cached_tokens = min(cached * c.page_tokens, job.req.input_tokens)
         ssd = even_arrivals(now, ready, c.layers) if ready is not None and ready > now else []
         dram = []
-        if dram_pages:
-            dram = even_arrivals(now, job.inst.h2d.submit(now, dram_pages * c.page_span, 1), c.layers)
+        if host_pages:
+            dram = even_arrivals(now, job.inst.h2d.submit(now, host_pages * c.page_span, 1), c.layers)
         compute = c.prefill_s(job.req.input_tokens - cached_tokens, cached_tokens)
         end = prefill_end(now, latest(ssd, dram), c.layers, compute)
         job.inst.busy = True
@@ -193,7 +219,6 @@ class System:
         rec.done = now + rec.output_tokens * self.c.decode_s_per_token
         inst.busy = False
         keys = job.req.keys
-        inst.hbm.pin(job.prefetched, -1)
         inst.hbm.insert(list(keys))  # the whole prompt is in HBM after its prefill
         self.store(job, cached)
         self.records.append(rec)
@@ -255,12 +280,18 @@ class FlatCake(System):
         self.dispatch(inst)
 
     def _pump_prefetch(self, inst: Instance) -> None:
+        """Start prefetches into host staging while streams are free and the prepared tokens stay below
+        SGLang's bound (past it they wait for a dispatch; tiered's are declined)."""
         c, now = self.c, self.loop.now
         while inst.active_prefetches < c.streams:
+            if hicache.rate_limited(inst.staging_tokens, self.host_pool_tokens):
+                return
             r = inst.sched.next_prefetch(now)
             if r is None:
                 return
             job = inst.jobs[r.id]
+            job.staged = len(job.ssd_keys) * c.page_tokens
+            inst.staging_tokens += job.staged
             done = self._read(inst, job.ssd_locs)
             inst.active_prefetches += 1
             self.loop.at(done, self._prefetched, inst, r.id)
@@ -284,8 +315,6 @@ class FlatCake(System):
         job = inst.jobs[rid]
         job.rec.prefetch_s = self.loop.now - job.rec.arrival
         job.prefetched.update(job.ssd_keys)
-        inst.hbm.pin(job.ssd_keys, +1)
-        inst.hbm.insert(job.ssd_keys)
         inst.active_prefetches -= 1
         inst.sched.prefetch_done(rid)
         self._pump_prefetch(inst)
@@ -298,17 +327,19 @@ class FlatCake(System):
         if r is None:
             return
         job = inst.jobs.pop(r.id)
-        keys, hbm, rec = job.req.keys, inst.hbm, job.rec
+        self._unstage(job)
+        self._pump_prefetch(inst)  # staging freed
+        keys, rec = job.req.keys, job.rec
         catalog = self.catalogs[inst.node]
-        # As the engine restores at dispatch (the emulator's _run_prefill): the prefix in HBM (resident or
-        # prefetched), then whatever is stored beyond it (DRAM pages copied in, SSD pages read now while
-        # the GPU waits: evicted since arrival, or stored meanwhile), then HBM again, and so on.
-        cached = dram = 0
+        # As the engine restores at dispatch (the emulator's _run_prefill): the prefix in HBM or prepared
+        # in host staging (copied in), then whatever is stored beyond it (DRAM pages copied in, SSD pages
+        # read now while the GPU waits: evicted since arrival, or stored meanwhile), then HBM again, ...
+        cached = dram = staged = 0
         late: list[Location] = []
         while True:
-            while cached < len(keys) and keys[cached] in hbm:
-                rec.hit["ssd" if keys[cached] in job.prefetched else "hbm"] += 1
-                cached += 1
+            n, s = self._resident(job, cached)
+            cached += n
+            staged += s
             n = catalog.exists(keys[cached:]) if cached < len(keys) else 0
             if not n:
                 break
@@ -324,7 +355,7 @@ class FlatCake(System):
         rec.hit["ssd"] += len(late)
         ready = self._read(inst, late) if late else None
         self.useful_ssd_bytes += rec.hit["ssd"] * self.c.page_span
-        self._finish_prefill(job, cached, dram, ready)
+        self._finish_prefill(job, cached, dram + staged, ready)
 
     def store(self, job: Job, cached: int) -> None:
         inst, req = job.inst, job.req
@@ -393,9 +424,6 @@ class Tiered(System):
         super().__init__(c, loop)
         self.name = "tiered-l3" if l3 else "tiered-l2"
         self.l3_enabled = l3
-        # Each instance's host pool is its ranks' share of the node's DRAM.
-        self.l2_pages = max(1, c.dram_bytes // c.instances_per_node // c.page_span)
-        self.host_pool_tokens = self.l2_pages * c.page_tokens
         self.bucket_pages = max(1, c.bucket_bytes // c.page_span)
         self.buckets = max(1, c.ssd_bytes // (self.bucket_pages * c.page_span)) if l3 else 0
         self.l3: list[dict[int, int]] = [{} for _ in range(c.nodes)]  # key -> bucket
@@ -471,9 +499,7 @@ class Tiered(System):
         op = job.op
         assert op is not None
         if not op.terminated:  # a stopped prefetch's late pages are not the request's
-            job.prefetched.update(got)
-            inst.hbm.pin(got, +1)
-            inst.hbm.insert(got)
+            job.prefetched.update(got)  # held in host staging until the request is dispatched
             op.completed += len(got)
         self._l2_insert(inst, got)  # read pages join the host tier
         job.io_pos += asked
@@ -523,18 +549,16 @@ class Tiered(System):
             return
         inst.waiting.remove(chosen)
         job = chosen
-        if job.staged:
-            inst.staging_tokens -= job.staged
-            job.staged = 0
+        self._unstage(job)
         if job.retry or (job.attempts and job.op is None):
             job.declined = len(job.ssd_keys)
-        keys, rec, hbm, l2 = job.req.keys, job.rec, inst.hbm, inst.l2
-        cached = dram = 0
-        while True:  # HBM (resident or prefetched), then the host tier, then HBM again, ...
+        keys, rec, l2 = job.req.keys, job.rec, inst.l2
+        cached = dram = staged = 0
+        while True:  # HBM or host staging (prepared), then the host tier, then HBM again, ...
             start = cached
-            while cached < len(keys) and keys[cached] in hbm:
-                rec.hit["ssd" if keys[cached] in job.prefetched else "hbm"] += 1
-                cached += 1
+            n, s = self._resident(job, cached)
+            cached += n
+            staged += s
             hit = cached
             while cached < len(keys) and keys[cached] in l2:
                 dram += 1
@@ -552,7 +576,7 @@ class Tiered(System):
             else:
                 rec.unprefetched_pages = rest
         self.useful_ssd_bytes += rec.hit["ssd"] * self.c.page_span
-        self._finish_prefill(job, cached, dram)
+        self._finish_prefill(job, cached, dram + staged)
 
     def store(self, job: Job, cached: int) -> None:
         """New pages enter the host tier; what falls off its LRU end goes to the SSD log (L3) or is lost

@@ -60,11 +60,11 @@ class Gate:
         self.opened_at = 0.0
         restore = emu.storage.restore
 
-        def gated(keys: list[str], promote: bool = False) -> tuple[int, list[float]]:
+        def gated(keys: list[str], promote: bool = False, dest: Any = None) -> tuple[int, list[float]]:
             if which(keys, promote):
                 self.entered.set()
                 assert self.opened.wait(60), "the test never opened the gate"
-            return restore(keys, promote)
+            return restore(keys, promote, dest)
 
         emu.storage.restore = gated  # type: ignore[method-assign]
 
@@ -234,3 +234,53 @@ def test_a_missed_lookup_is_asked_again_eight_passes_later(tmp_path: Path) -> No
     out = _run(emu, scenario)
     assert retried._value.get() >= 1
     assert out.hit_pages["ssd"] == 5 and out.unprefetched_pages == 0
+
+
+@pytest.mark.parametrize("mode", ["flatcake", "tiered"])
+def test_prepared_pages_wait_in_bounded_host_staging_not_hbm(tmp_path: Path, mode: str) -> None:
+    """Issue 27: a request's pages read from SSD before its dispatch wait in host staging, never in HBM
+    (where they would evict other sessions' prefixes), for both sides; the tokens prepared are bounded
+    by half the host pool (SGLang's rule): tiered declines a prefetch past it, FlatCake's waits for a
+    dispatch to free staging. At dispatch the pages are copied in and count as SSD hits."""
+    emu = Emulator(_config(tmp_path, mode, prefetch_policy="wait_complete", prefill_tokens_per_s=PT * 4.0))
+    bound = hicache.capacity_tokens(emu.host_pool_tokens)  # 8 host pages: 4 pages' tokens
+    prompts = [_prompt(10_000 * (i + 1), 6) for i in range(3)]
+    stored = [_store_on_ssd(emu, p) for p in prompts]
+    reads: list[list[str]] = []
+    restore = emu.storage.restore
+
+    def counted(keys: list[str], promote: bool = False, dest: Any = None) -> tuple[int, list[float]]:
+        reads.append(list(keys))
+        return restore(keys, promote, dest)
+
+    emu.storage.restore = counted  # type: ignore[method-assign]
+
+    async def scenario() -> list[Outcome]:
+        blocker = asyncio.create_task(emu.prefill(_prompt(900_000, 8)))  # 2 s of GPU: the others wait
+        await async_wait_until(lambda: _async(emu.staging_tokens == 0 and not emu.waiting and not emu._jobs),
+                               what="the blocker to be scheduled")  # fmt: skip
+        tasks = [asyncio.create_task(emu.prefill(p)) for p in prompts]
+        jobs = emu._jobs.values() if mode == "flatcake" else emu.waiting
+
+        def one_prepared() -> bool:
+            return len(jobs) == 3 and sum(len(j.held) == 6 for j in jobs) == 1
+
+        await async_wait_until(lambda: _async(one_prepared()), what="one request's pages to be prepared")
+        assert not blocker.done()
+        prepared = {key for j in jobs for key in j.held}
+        assert prepared and not prepared & set(emu.hbm), "prepared pages went into HBM"
+        assert emu.staging_tokens == 6 * PT > bound  # one request alone may exceed the bound; no second starts
+        assert [r for r in reads if any(k in s for s in stored for k in r)] == [
+            next(s for s in stored if s[0] in prepared)
+        ]
+        if mode == "tiered":
+            assert emu.m["flatcake_prefetch_declined"].labels(mode)._value.get() >= 1
+        await blocker
+        return list(await asyncio.gather(*tasks))
+
+    outs = _run(emu, scenario)
+    assert emu.staging_tokens == 0
+    if mode == "flatcake":  # it waits, never declines: every request gets its SSD pages
+        assert [o.hit_pages["ssd"] for o in outs] == [6, 6, 6]
+    else:  # FCFS: the first arrival was the one prepared; its pages reached the prefill from staging
+        assert outs[0].hit_pages["ssd"] == 6
