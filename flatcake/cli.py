@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import flatcake
 from flatcake.errors import ConfigError, FlatCakeError
-from flatcake.node_agent.constants import SCHEDULER_POLICIES
+from flatcake.node_agent.constants import PLACEMENT_MODES, SCHEDULER_POLICIES
 
 
 def _bench_restore(args: argparse.Namespace) -> int:
@@ -180,8 +180,8 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     from flatcake.loadgen.report import build as R
 
     cfg = e2e.QUICK if args.quick else e2e.E2EConfig()
-    names = ("trace", "offset", "requests", "window_s", "qps", "time_scale", "systems", "schedulers", "repeats",
-             "model", "gpu", "prefetch_policy")  # fmt: skip
+    names = ("trace", "offset", "requests", "window_s", "qps", "time_scale", "systems", "schedulers", "placements",
+             "repeats", "model", "gpu", "prefetch_policy")  # fmt: skip
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     sizing = {k: getattr(args, k) for k in ("hbm_share", "dram_share") if getattr(args, k) is not None}
     try:
@@ -208,6 +208,10 @@ def _simulate(args: argparse.Namespace) -> int:
     names = ("trace", "limit", "nodes", "gpus_per_node", "model", "gpu", "qps", "systems", "device", "scheduler",
              "prefetch_policy", "workers")  # fmt: skip
     given.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    if args.placement:
+        from flatcake.node_agent.config import PlacementConfig
+
+        given["placement"] = PlacementConfig(mode=args.placement)
     cfg = dataclasses.replace(sim.SimConfig(), **given)  # type: ignore[arg-type]
     if args.sweep:
         return _simulate_sweep(args, cfg)
@@ -368,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="flatcake,tiered,dram (default); hicache-file (SGLang's file L3), none")  # fmt: skip
     e2e.add_argument("--scheduler", type=_csv(str, "--scheduler"), dest="schedulers",
                      help="FlatCake's scheduler(s): mas (default), fcfs, or mas,fcfs for the ablation")  # fmt: skip
+    e2e.add_argument("--placement", type=_csv(str, "--placement"), dest="placements",
+                     help="FlatCake's placement.mode(s): table2 (default), adaptive, or table2,adaptive")  # fmt: skip
     e2e.add_argument("--repeats", type=int, help="cold runs per point (default 3); spreads are min/median/max")
     e2e.add_argument("--model", help="model preset: dsv4-flash (default) or llama3-70b-tp4")
     e2e.add_argument("--gpu", help="the modelled GPU: a100 (default) or h200")
@@ -456,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     simp.add_argument("--systems", type=_csv(str, "--systems"), help="flatcake,tiered-l2,tiered-l3 (default all)")
     simp.add_argument("--device", help="storage profile: nvme-raid0-4x-pm9a3 (default) or this-vm")
     simp.add_argument("--scheduler", help="FlatCake's scheduler: mas (default) or fcfs")
+    simp.add_argument(
+        "--placement", choices=PLACEMENT_MODES, help="FlatCake's placement.mode: table2 (default), adaptive"
+    )
     simp.add_argument("--prefetch-policy", dest="prefetch_policy", help="tiered: timeout (default), best_effort, ...")
     simp.add_argument("--workers", type=int, help="processes for the sweep's points (default 2)")
     simp.add_argument("--json", metavar="PATH", help="write the results as JSON (default: OUT/simulate.json)")
@@ -559,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCHEDULER_POLICIES,
         help="flatcake mode: how requests are ordered (default: the node agent's scheduler.policy, else mas)",
     )
+    emulate.add_argument("--placement", choices=PLACEMENT_MODES,
+                         help="flatcake mode, in-process engine: Table 2 (table2, default) or adaptive")  # fmt: skip
     emulate.set_defaults(func=_emulate)
 
     agent = sub.add_parser("agent", help="the node agent").add_subparsers(dest="agent", required=True)

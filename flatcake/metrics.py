@@ -205,6 +205,13 @@ _SPECS = [
         "Stored pages asked for again by a later prompt, by the medium they were placed on.",
     ),
     Spec(
+        "flatcake_placed_lost_pages",
+        "counter",
+        ("system", "medium"),
+        "",
+        "Of those, pages no longer stored when first asked for again (reclaimed), by their placed medium.",
+    ),
+    Spec(
         "flatcake_staging_bytes",
         "gauge",
         ("system",),

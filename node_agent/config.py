@@ -22,6 +22,7 @@ from flatcake.node_agent.constants import (
     JOURNAL_FSYNC_POLICIES,
     MAX_FRAME,
     MAX_NODE_ID,
+    PLACEMENT_MODES,
     SCHEDULER_POLICIES,
     VERIFY_READS,
     watermark_problem,
@@ -40,14 +41,19 @@ class PlacementConfig:
       documents whose history outgrows DRAM; the paper's Claude Code trace averages 218,922 tokens.
     - ``agent_reply_tokens`` (τ, default 2,048): a reply this long marks tool-heavy agent work.
     - ``short_reply_tokens`` (default 512): previous replies at most this long make a short chat.
+    - ``mode``: ``table2`` (the paper's rules) or ``adaptive`` (Table 2 corrected by measured reuse
+      distances against DRAM's residence: ``policy/adaptive.py``).
     """
 
     agent_context_tokens: int = 32_768
     agent_reply_tokens: int = 2_048
     short_reply_tokens: int = 512
+    mode: str = "table2"
 
     def __post_init__(self) -> None:
         _positive(self, "agent_context_tokens", "agent_reply_tokens", "short_reply_tokens", prefix="placement.")
+        if self.mode not in PLACEMENT_MODES:
+            raise ConfigError(f"placement.mode: {self.mode!r} must be one of {', '.join(PLACEMENT_MODES)}")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from flatcake.loadgen.traces import stats as trace_stats
 from flatcake.loadgen.traces.formats import BUNDLED_TRACE, TraceRequest, read_trace
 from flatcake.net import free_port
 from flatcake.node_agent import AgentConfig, spawn
+from flatcake.node_agent.constants import PLACEMENT_MODES
 
 BUNDLED = BUNDLED_TRACE
 FLATCAKE = str(Path(sys.executable).parent / "flatcake")
@@ -76,6 +77,7 @@ class E2EConfig:
     time_scale: tuple[float, ...] | None = None  # replay at the trace's own times x each factor, instead of qps
     systems: tuple[str, ...] = ("flatcake", "tiered", "dram")
     schedulers: tuple[str, ...] = ("mas",)  # FlatCake's; two run the FC-MAS ablation
+    placements: tuple[str, ...] = ("table2",)  # FlatCake's placement.mode; two run the placement ablation
     repeats: int = 3
     model: str = "dsv4-flash"
     gpu: str = "a100"
@@ -88,6 +90,9 @@ class E2EConfig:
         for s in self.systems:
             if s not in SYSTEMS:
                 raise ValueError(f"systems: {s!r} is not one of {', '.join(SYSTEMS)}")
+        for mode in self.placements:
+            if mode not in PLACEMENT_MODES:
+                raise ValueError(f"placements: {mode!r} is not one of {', '.join(PLACEMENT_MODES)}")
         if self.repeats < 1:
             raise ValueError(f"repeats: {self.repeats} must be >= 1")
         if any(q <= 0 for q in self.qps) or any(t <= 0 for t in self.time_scale or ()):
@@ -174,10 +179,16 @@ class Point:
     scheduler: str | None  # FlatCake's; None for the others (FCFS as SGLang schedules)
     qps: float
     repeat: int
+    placement: str = "table2"  # FlatCake's placement.mode
 
     @property
     def label(self) -> str:
-        return self.system if self.scheduler in (None, "mas") else f"{self.system}-{self.scheduler}"
+        parts = [self.system]
+        if self.scheduler not in (None, "mas"):
+            parts.append(str(self.scheduler))
+        if self.placement != "table2":
+            parts.append(self.placement)
+        return "-".join(parts)
 
 
 def points(cfg: E2EConfig, rates: tuple[float, ...]) -> list[Point]:
@@ -185,8 +196,10 @@ def points(cfg: E2EConfig, rates: tuple[float, ...]) -> list[Point]:
     out = []
     for rep in range(cfg.repeats):
         for system in cfg.systems:
-            for sched in cfg.schedulers if system == "flatcake" else (None,):
-                out += [Point(system, sched, q, rep) for q in rates]
+            flatcake = system == "flatcake"
+            for sched in cfg.schedulers if flatcake else (None,):
+                for placement in cfg.placements if flatcake else ("table2",):
+                    out += [Point(system, sched, q, rep, placement) for q in rates]
     return out
 
 
@@ -199,7 +212,8 @@ def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Poin
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
     mode, l3 = EMULATE.get(point.system, (point.system, "log"))
-    emu = dataclasses.replace(emu_base, mode=mode, data_dir=str(data), scheduler=point.scheduler, l3=l3)
+    emu = dataclasses.replace(emu_base, mode=mode, data_dir=str(data), scheduler=point.scheduler, l3=l3,
+                              placement=point.placement)  # fmt: skip
     agent = emulator = None
     logs = []
     try:
@@ -218,6 +232,8 @@ def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Poin
             args += [f"--{name.replace('_', '-')}", str(getattr(emu, name))]
         if emu.scheduler:
             args += ["--scheduler", emu.scheduler]
+        if emu.mode == "flatcake":
+            args += ["--placement", emu.placement]
         if emu.agent_socket:
             args += ["--agent-socket", emu.agent_socket]
         logs.append(open(run_dir / "emulator.log", "wb"))  # noqa: SIM115 - closed below
@@ -267,9 +283,11 @@ def run(cfg: E2EConfig, out: str | Path, log: Callable[[str], None] = print) -> 
         "time_scale": list(cfg.time_scale) if cfg.time_scale else None, "repeats": cfg.repeats,
         "model": cfg.model, "gpu": cfg.gpu, "calibration": model.calibration(cfg.gpu),
         "prefetch_policy": cfg.prefetch_policy, "schedulers": list(cfg.schedulers),
+        "placements": list(cfg.placements),
         "working_set_pages": pages, "longest_prompt_pages": longest, "sizing": dataclasses.asdict(cfg.sizing),
         "emulator": dataclasses.asdict(emu),
-        "labels": {p.label: {"system": p.system, "scheduler": p.scheduler or "fcfs"} for p in points(cfg, rates)},
+        "labels": {p.label: {"system": p.system, "scheduler": p.scheduler or "fcfs", "placement": p.placement}
+                   for p in points(cfg, rates)},
     })  # fmt: skip
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     todo = points(cfg, rates)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from flatcake.errors import ConfigError
 from flatcake.loadgen.models import ModelPreset, gpu_profile, preset
 from flatcake.loadgen.systems import hicache
-from flatcake.node_agent.constants import SCHEDULER_POLICIES
+from flatcake.node_agent.constants import PLACEMENT_MODES, SCHEDULER_POLICIES
 
 MODES = ("flatcake", "tiered", "dram", "none")
 MiB = 1 << 20
@@ -38,6 +38,7 @@ class EmulatorConfig:
     scheduler: str | None = None
     prefetch_policy: str = hicache.DEFAULT_PREFETCH_POLICY  # tiered: SGLang's prefetch stop policy
     prefetchers: int = 2  # flatcake: concurrent SSD prefetches
+    placement: str = "table2"  # flatcake: placement.mode of its engine (PLACEMENT_MODES)
     l3: str = "log"  # tiered: what holds the pages the host tier evicts (L3_BACKENDS)
 
     @property
@@ -88,6 +89,8 @@ class EmulatorConfig:
             raise ConfigError(f"page_tokens x bytes_per_token_layer ({self.page_tokens} x {self.bytes_per_token_layer}"
                               ") must be a multiple of 4096: with 64 bytes per token-layer, use a multiple of 64 "
                               "page tokens")  # fmt: skip
+        if self.placement not in PLACEMENT_MODES:
+            raise ConfigError(f"placement: {self.placement!r} must be one of {', '.join(PLACEMENT_MODES)}")
         if self.scheduler is not None and self.scheduler not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler: {self.scheduler!r} must be one of {', '.join(SCHEDULER_POLICIES)}")
         hicache.check_policy(self.prefetch_policy)

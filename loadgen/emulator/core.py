@@ -149,7 +149,7 @@ class Emulator:
             ("flatcake_queue_depth", M.gauge), ("flatcake_queue_wait_seconds", M.histogram),
             ("flatcake_staging_tokens", M.gauge), ("flatcake_server_ttft_seconds", M.histogram),
             ("flatcake_staging_bytes", M.gauge), ("flatcake_placed_pages", M.counter),
-            ("flatcake_placed_reused_pages", M.counter),
+            ("flatcake_placed_reused_pages", M.counter), ("flatcake_placed_lost_pages", M.counter),
         )}  # fmt: skip
         self.m: dict[str, Any] = m
         # Series exist from the start (at 0), so dashboards and alerts see them before the first event.
@@ -179,6 +179,7 @@ class Emulator:
         for medium in ("dram", "ssd"):
             m["flatcake_placed_pages"].labels(cfg.mode, medium)
             m["flatcake_placed_reused_pages"].labels(cfg.mode, medium)
+            m["flatcake_placed_lost_pages"].labels(cfg.mode, medium)
         for reason in ("uncached", "declined", "not_prefetched", "failed"):
             m["flatcake_miss_tokens"].labels(cfg.mode, reason)
 
@@ -216,10 +217,10 @@ class Emulator:
         cfg = self.cfg
         out = Outcome(len(tokens), arrival=time.monotonic())
         keys = page_keys(tokens, cfg.page_tokens)
-        self._mark_reused(keys)
         hbm = self._hbm_prefix(keys)
         self.signals.observe(keys[:hbm], keys[hbm:])  # SGLang's hit query names the chain past HBM
         media = await asyncio.get_running_loop().run_in_executor(self._pool, self.storage.media, keys[hbm:])
+        self._mark_reused(keys, hbm + len(media))
         job = _Job(next(self._ids), keys, ssd_span(keys, hbm, media), out)
         async with self._cond:
             if self.sglang_like:
@@ -235,12 +236,16 @@ class Emulator:
         await job.done.wait()
         return out
 
-    def _mark_reused(self, keys: list[str]) -> None:
-        for key in keys:
+    def _mark_reused(self, keys: list[str], found: int) -> None:
+        """Placement accuracy: stored pages asked for again (the first time), and which of them were
+        gone by then (past ``found``, the prefix in HBM or storage)."""
+        for i, key in enumerate(keys):
             medium = self.placed.get(key)
             if medium is not None and key not in self.reused:
                 self.reused.add(key)
                 self.m["flatcake_placed_reused_pages"].labels(self.cfg.mode, medium).inc()
+                if i >= found:
+                    self.m["flatcake_placed_lost_pages"].labels(self.cfg.mode, medium).inc()
 
     def _depths(self) -> None:
         for queue, depth in self.sched.depths().items():

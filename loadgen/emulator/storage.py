@@ -23,6 +23,7 @@ from flatcake.node_agent import (
     Engine,
     EngineConfig,
     IOConfig,
+    PlacementConfig,
     SsdConfig,
     ThreadBuffers,
     aligned_empty,
@@ -172,4 +173,5 @@ def engine_config(cfg: EmulatorConfig, root: Path) -> EngineConfig:
         dram=DramConfig(bytes=cfg.dram_bytes, huge_pages=False, shm_dir=str(root), name="emulator-dram"),
         ssd=SsdConfig(dir=str(root / "pool"), file_bytes=cfg.scope_file_bytes, file_count=files),
         io=IOConfig(backend="posix", workers=2, staging_slot_bytes=max(cfg.page_bytes, 2 * MiB)),
+        placement=PlacementConfig(mode=cfg.placement),
     )  # fmt: skip

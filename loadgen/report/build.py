@@ -66,23 +66,28 @@ def saturation(records: list[dict[str, Any]]) -> str | None:
 
 
 def placement(prom: Path) -> dict[str, Any] | None:
-    """Placement accuracy from an emulator's counters: pages placed per medium and the share of them
-    a later prompt asked for again."""
+    """Placement accuracy from an emulator's counters: pages placed per medium, the share of them a
+    later prompt asked for again, and the share of those gone (reclaimed) by then."""
     if not prom.exists():
         return None
     placed: dict[str, float] = {}
     reused: dict[str, float] = {}
+    lost: dict[str, float] = {}
     for family in text_string_to_metric_families(prom.read_text()):
         for sample in family.samples:
             if sample.name == "flatcake_placed_pages_total":
                 placed[sample.labels["medium"]] = sample.value
             elif sample.name == "flatcake_placed_reused_pages_total":
                 reused[sample.labels["medium"]] = sample.value
+            elif sample.name == "flatcake_placed_lost_pages_total":
+                lost[sample.labels["medium"]] = sample.value
     if not any(placed.values()):
         return None
     return {
         medium: {"placed": int(placed.get(medium, 0)), "reused": int(reused.get(medium, 0)),
-                 "reused_share": reused.get(medium, 0) / placed[medium] if placed.get(medium) else None}
+                 "reused_share": reused.get(medium, 0) / placed[medium] if placed.get(medium) else None,
+                 "lost": int(lost.get(medium, 0)),
+                 "lost_share": lost.get(medium, 0) / reused[medium] if reused.get(medium) else None}
         for medium in ("dram", "ssd")
     }  # fmt: skip
 
@@ -136,6 +141,7 @@ def collect(runs_dir: str | Path) -> dict[str, Any]:
     labels = meta.get("labels", {})
     summary = [
         {"system": labels.get(name, {}).get("system", name), "scheduler": labels.get(name, {}).get("scheduler"),
+         "placement": labels.get(name, {}).get("placement"),
          "label": name, "qps": r["qps"], "repeats": r["repeats"],
          **{f: r["spread"][f] for f in ("delivered_hit_rate", "ttft_mean_s", "ttft_p99_s")},
          "dram_hit_share": r["dram_hit_share"], "saturated": r["saturated"]}
@@ -293,5 +299,6 @@ def format_table(report: dict[str, Any]) -> str:
             if p:
                 lines.append(f"placement {name} {r['qps']:g} QPS: " + "; ".join(
                     f"{m} {v['placed']} pages placed, {100 * (v['reused_share'] or 0):.0f}% reused"
+                    f" ({100 * (v.get('lost_share') or 0):.0f}% of those lost first)"
                     for m, v in p.items()) + f"; DRAM served {100 * r['dram_hit_share']:.1f}% of hits")  # fmt: skip
     return "\n".join(lines)

@@ -247,7 +247,8 @@ class FlatCake(System):
         super().__init__(c, loop)
         self.tables = [
             ScopeTable(node_id=n, layers=c.layers, page_bytes=c.page_layer_bytes, file_bytes=c.scope_file_bytes,
-                       files=max(1, c.ssd_bytes // c.scope_file_bytes), dram_slots=max(1, c.dram_bytes // c.page_span))
+                       files=max(1, c.ssd_bytes // c.scope_file_bytes), dram_slots=max(1, c.dram_bytes // c.page_span),
+                       adaptive=c.placement.mode == "adaptive")
             for n in range(c.nodes)
         ]  # fmt: skip
         # The agent's catalog, without a journal: allocate (placement by Table 2, parent scopes), publish,

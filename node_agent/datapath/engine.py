@@ -67,6 +67,7 @@ def local_table(c: EngineConfig) -> ScopeTable:
         dram_slots=c.dram_slots,
         high_watermark=c.ssd.high_watermark,
         low_watermark=c.ssd.low_watermark,
+        adaptive=c.placement.mode == "adaptive",
     )
 
 

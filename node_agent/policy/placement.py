@@ -26,6 +26,8 @@ class Reason(StrEnum):
     ONE_SHOT = "one_shot"
     DRAM_FULL = "dram_full"
     INHERITED = "inherited"
+    REUSE_WITHIN_DRAM = "reuse_within_dram"  # adaptive: its session comes back well before DRAM reclaims
+    REUSE_BEYOND_DRAM = "reuse_beyond_dram"  # adaptive: DRAM would reclaim it before it is read
 
 
 @dataclass(frozen=True)

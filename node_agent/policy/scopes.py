@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -34,6 +35,7 @@ import numpy.typing as npt
 from flatcake.errors import PoolFullError
 from flatcake.node_agent.constants import ALIGN
 from flatcake.node_agent.policy import gva as G
+from flatcake.node_agent.policy.adaptive import ReuseModel
 from flatcake.node_agent.policy.extents import Extent, ExtentAllocator
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.keyindex import Digests, Found, KeyIndex, Pages, hash_keys, pack
@@ -59,6 +61,11 @@ class Scope:
     keys: Pages = field(default_factory=Pages)  # the pages' key digests, in publish order
     pins: int = 0
     segments: int = 0
+    # Adaptive placement: the tick of the last write into it, whether a reader has leased it since,
+    # and the ticks from its latest write to the first lease after it (its reuse distance).
+    written: int = 0
+    reread: bool = False
+    reuse: int | None = None
 
     def units(self) -> int:
         """Space held: bytes on SSD, slots on DRAM."""
@@ -66,7 +73,13 @@ class Scope:
 
 
 # Reasons that are evidence for a medium; ONE_SHOT (turn 1, or no hints at all) is the absence of any.
-_EVIDENCE = {Reason.SHARED_PROMPT, Reason.SHORT_CHAT, Reason.AGENT_SESSION}
+_EVIDENCE = {
+    Reason.SHARED_PROMPT,
+    Reason.SHORT_CHAT,
+    Reason.AGENT_SESSION,
+    Reason.REUSE_WITHIN_DRAM,
+    Reason.REUSE_BEYOND_DRAM,
+}
 
 
 def _other_medium(decision: Decision, medium: Medium) -> bool:
@@ -135,6 +148,9 @@ def plan_reclaim(victims: Sequence[Victim], used: int, capacity: int, need: int,
     return chosen
 
 
+GHOSTS = 1 << 14  # adaptive placement: reclaimed-unread DRAM scopes remembered (their last page, 32 bytes)
+
+
 @dataclass
 class ReclaimStats:
     scopes: int = 0
@@ -153,6 +169,7 @@ class ScopeTable:
         dram_slots: int,
         high_watermark: float = 0.9,
         low_watermark: float = 0.8,
+        adaptive: bool = False,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(f"watermarks: need 0 < low ({low_watermark}) <= high ({high_watermark}) <= 1")
@@ -176,6 +193,8 @@ class ScopeTable:
         self._clock = itertools.count(1)
         self.reclaimed = {Medium.DRAM: ReclaimStats(), Medium.SSD: ReclaimStats()}
         self.on_free: Callable[[Scope], None] | None = None  # told of every scope freed (journal)
+        self.reuse = ReuseModel() if adaptive else None  # placement.mode adaptive: learns from leases, reclaim
+        self._ghosts: OrderedDict[tuple[int, int], int] = OrderedDict()  # see _adapt
 
     def use_index(self, index: KeyIndex) -> None:
         """Index into ``index`` from now on (the agent's shared-memory one), with what is stored."""
@@ -265,6 +284,8 @@ class ScopeTable:
             pd = key_digests([parent]) if parent is not None else None  # hashed once: found, then compared
             loc = as_locations(self.find_digests(pd))[0] if pd is not None else None
             scope = self.scopes.get(loc.scope) if loc is not None else None
+            if self.reuse is not None:
+                decision = self._adapt(decision, scope, digests)
             if scope is not None and pd is not None and not _continues(scope, pd):
                 # The parent lies inside another run (a shared prompt stored by another session): these
                 # pages do not continue that scope, so they get one of their own, placed by their hints.
@@ -285,7 +306,8 @@ class ScopeTable:
                 res = self._reserve_ssd(keys, digests, scope, decision)
             assert res is not None
             res.scope.pins += 1
-            res.scope.last_used = next(self._clock)
+            res.scope.last_used = res.scope.written = next(self._clock)
+            res.scope.reread = False
             self._pending.update(keys)
             return res
 
@@ -433,6 +455,9 @@ class ScopeTable:
                 for sid in set(found.scope.tolist()):
                     scope = self.scopes[sid]
                     scope.pins += 1
+                    if self.reuse is not None and not scope.reread:  # once per write, not per read
+                        scope.reread, scope.reuse = True, now - scope.written
+                        self.reuse.reused(scope.reuse)
                     scope.last_used = now
             return found
 
@@ -509,6 +534,24 @@ class ScopeTable:
                 cut = slice(at, at + (1 << 16))
                 self.index.put((h1[cut], h2[cut]), scope[cut], gva[cut], stride[cut], crc[cut])
 
+    def _adapt(self, decision: Decision, parent: Scope | None, digests: Digests) -> Decision:
+        """Adaptive placement: Table 2's ``decision`` corrected by the session's reuse distance. That is
+        its parent scope's latest, or, when these pages include the last page of a DRAM scope that
+        reclaim freed before anyone read it again (the session came back and had to recompute), the
+        ticks since that scope's last write: a distance beyond DRAM's residence, the evidence that
+        survivors alone never give."""
+        assert self.reuse is not None
+        now = next(self._clock)
+        session = parent.reuse if parent is not None else None
+        if self._ghosts:
+            for h in zip(digests[0].tolist(), digests[1].tolist(), strict=True):
+                written = self._ghosts.pop(h, None)
+                if written is not None:
+                    session = now - written
+                    self.reuse.reused(session)
+        oldest = min((s.last_used for s in self.scopes.values() if s.medium is Medium.DRAM), default=now)
+        return self.reuse.adjust(decision, session, now - oldest)
+
     def _new_scope(self, medium: Medium) -> Scope:
         scope = Scope(next(self._ids), medium, next(self._clock))
         self.scopes[scope.id] = scope
@@ -519,6 +562,13 @@ class ScopeTable:
             self.on_free(scope)
         if scope.keys:  # entries go before the space can be reused
             self.index.remove(scope.keys.digests())
+        if count and self.reuse is not None and scope.medium is Medium.DRAM:
+            self.reuse.reclaimed(next(self._clock) - scope.last_used)
+            last = scope.keys.last()
+            if last is not None and not scope.reread:  # freed unread: remember when it was written
+                self._ghosts[last] = scope.written
+                if len(self._ghosts) > GHOSTS:
+                    self._ghosts.popitem(last=False)
         if count:
             stats = self.reclaimed[scope.medium]
             stats.scopes += 1

@@ -16,6 +16,7 @@ import pytest
 from flatcake.loadgen.bench import e2e
 from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.emulator.core import page_keys
+from flatcake.loadgen.emulator.storage import engine_config
 from flatcake.loadgen.replay.requests import prompt_tokens, schedule
 from flatcake.loadgen.replay.run import LoadgenConfig, check_loopback, command
 from flatcake.loadgen.report import build as R
@@ -179,3 +180,15 @@ def test_report_names_the_context_of_runs_made_elsewhere(tmp_path: Path) -> None
     assert report["meta"]["context"] == "staging-eu/kv" and set(report["systems"]) == {"vllm-staging"}
     assert report["systems"]["vllm-staging"]["2"]["delivered_hit_rate"] == pytest.approx(0.6)
     assert "staging-eu/kv" in (tmp_path / "report.md").read_text()
+
+
+def test_the_placement_ablation_runs_flatcake_once_per_mode(tmp_path: Path) -> None:
+    cfg = e2e.E2EConfig(systems=("flatcake", "tiered"), schedulers=("mas", "fcfs"), placements=("table2", "adaptive"),
+                        repeats=1)  # fmt: skip
+    labels = sorted({p.label for p in e2e.points(cfg, (2.0,))})
+    assert labels == ["flatcake", "flatcake-adaptive", "flatcake-fcfs", "flatcake-fcfs-adaptive", "tiered"]
+    with pytest.raises(ValueError, match="placements: 'lru' is not one of table2, adaptive"):
+        e2e.E2EConfig(placements=("lru",))
+    # The mode reaches the engine the emulator (or the point's node agent) runs.
+    emu = EmulatorConfig(data_dir=str(tmp_path), placement="adaptive")
+    assert engine_config(emu, tmp_path).placement.mode == "adaptive"
