@@ -542,7 +542,12 @@ class ScopeTable:
         survivors alone never give."""
         assert self.reuse is not None
         now = next(self._clock)
-        session = parent.reuse if parent is not None else None
+        session = None
+        if parent is not None:
+            if not parent.reread:  # back without a read: its prefix was still in the engine's HBM
+                parent.reread, parent.reuse = True, now - parent.written
+                self.reuse.reused(parent.reuse)
+            session = parent.reuse
         if self._ghosts:
             for h in zip(digests[0].tolist(), digests[1].tolist(), strict=True):
                 written = self._ghosts.pop(h, None)

@@ -99,10 +99,15 @@ def test_adaptive_keeps_what_comes_back_late_and_dram_for_what_comes_back_soon()
     assert table2.dram_accuracy() < adaptive.dram_accuracy() == pytest.approx(2 / 3)
 
 
-def test_table2_stands_until_dram_has_reclaimed() -> None:
+def test_the_rule_against_the_measured_residence() -> None:
     model = ReuseModel()
     dram = Decision(Medium.DRAM, Reason.SHORT_CHAT)
-    assert model.adjust(dram, session_reuse=10_000) == dram  # no residence measured yet
+    ssd = Decision(Medium.SSD, Reason.ONE_SHOT)
+    # DRAM has never reclaimed: it keeps whatever it takes, so DRAM choices stand and every session
+    # that has come back goes there; one with no history of its own stays where Table 2 put it.
+    assert model.adjust(dram, session_reuse=10_000) == dram
+    assert model.adjust(ssd, session_reuse=10_000) == Decision(Medium.DRAM, Reason.REUSE_WITHIN_DRAM)
+    assert model.adjust(ssd, session_reuse=None) == ssd
     model.reclaimed(100)
     assert model.adjust(dram, session_reuse=50) == dram
     assert model.adjust(dram, session_reuse=150) == Decision(Medium.SSD, Reason.REUSE_BEYOND_DRAM)
