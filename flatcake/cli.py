@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import flatcake
 from flatcake.errors import ConfigError, FlatCakeError
+from flatcake.loadgen import names
 from flatcake.node_agent.constants import PLACEMENT_MODES, SCHEDULER_POLICIES
 
 
@@ -43,10 +44,7 @@ def _bench_peers(args: argparse.Namespace) -> int:
     if args.budget_mib is not None:
         overrides["budget_bytes"] = args.budget_mib * bp.MiB
     if "systems" in overrides:
-        overrides["systems"] = tuple(overrides["systems"].split(","))
-        unknown = sorted(set(overrides["systems"]) - set(bp.PEERS))
-        if unknown:
-            raise ValueError(f"--systems: {unknown} are not systems; choose from {','.join(bp.PEERS)}")
+        overrides["systems"] = names.resolve("peers", overrides["systems"].split(","), "--systems")
     cfg = dataclasses.replace(cfg, **overrides)
     report = bp.run(cfg, Path(args.dir), quiet=args.quiet, log=lambda m: print(m, file=sys.stderr))
     print(bp.format_table(report))
@@ -76,7 +74,7 @@ def _bench_context(args: argparse.Namespace) -> int:
     if args.tokens:
         overrides["tokens"] = _ints("--tokens", args.tokens)
     if args.systems:
-        overrides["systems"] = tuple(args.systems.split(","))
+        overrides["systems"] = names.resolve("context", args.systems.split(","), "--systems")
     cfg = dataclasses.replace(cfg, **overrides)  # type: ignore[arg-type]
     cfg.geometry()  # a bad option fails here, before anything is written
     report = bc.run(cfg, Path(args.dir), log=lambda m: print(m, file=sys.stderr))
@@ -180,9 +178,11 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     from flatcake.loadgen.report import build as R
 
     cfg = e2e.QUICK if args.quick else e2e.E2EConfig()
-    names = ("trace", "offset", "requests", "window_s", "qps", "time_scale", "systems", "schedulers", "placements",
-             "repeats", "model", "gpu", "prefetch_policy")  # fmt: skip
-    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    fields = ("trace", "offset", "requests", "window_s", "qps", "time_scale", "systems", "schedulers", "placements",
+              "repeats", "model", "gpu", "prefetch_policy")  # fmt: skip
+    given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    if "systems" in given:
+        given["systems"] = names.resolve("e2e", given["systems"], "--systems")
     sizing = {k: getattr(args, k) for k in ("hbm_share", "dram_share") if getattr(args, k) is not None}
     try:
         cfg = dataclasses.replace(cfg, **given, sizing=dataclasses.replace(cfg.sizing, **sizing))
@@ -205,9 +205,11 @@ def _simulate(args: argparse.Namespace) -> int:
 
     sizes = {"dram_bytes": ("--dram", args.dram), "ssd_bytes": ("--ssd", args.ssd), "hbm_bytes": ("--hbm", args.hbm)}
     given: dict[str, object] = {k: sim.parse_size(text, flag) for k, (flag, text) in sizes.items() if text is not None}
-    names = ("trace", "limit", "nodes", "gpus_per_node", "model", "gpu", "qps", "systems", "device", "scheduler",
-             "prefetch_policy", "workers")  # fmt: skip
-    given.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    fields = ("trace", "limit", "nodes", "gpus_per_node", "model", "gpu", "qps", "systems", "device", "scheduler",
+              "prefetch_policy", "workers")  # fmt: skip
+    given.update({n: getattr(args, n) for n in fields if getattr(args, n) is not None})
+    if "systems" in given:
+        given["systems"] = names.resolve("simulate", args.systems, "--systems")
     if args.placement:
         from flatcake.node_agent.config import PlacementConfig
 
@@ -369,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--time-scale", type=_csv(float, "--time-scale"), dest="time_scale",
                      help="replay at the trace's own times x each factor, instead of --qps")  # fmt: skip
     e2e.add_argument("--systems", type=_csv(str, "--systems"),
-                     help="flatcake,tiered,dram (default); hicache-file (SGLang's file L3), none")  # fmt: skip
+                     help=f"flatcake,tiered,dram (default); of {names.choices('e2e')}")  # fmt: skip
     e2e.add_argument("--scheduler", type=_csv(str, "--scheduler"), dest="schedulers",
                      help="FlatCake's scheduler(s): mas (default), fcfs, or mas,fcfs for the ablation")  # fmt: skip
     e2e.add_argument("--placement", type=_csv(str, "--placement"), dest="placements",
@@ -391,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_argument("--quick", action="store_true", help="a small workload, one repeat, the CI systems")
     peers.add_argument("--model", help="geometry preset: llama3-70b-tp4 or dsv4-flash (default)")
     peers.add_argument("--trace", help="trace whose sessions are stored (default: a slice of Mooncake's conversations)")
-    peers.add_argument("--systems", help="comma-separated: flatcake,flatcake_engine,hicache_file,mooncake,tiered,...")
+    peers.add_argument("--systems", help=f"comma-separated: {names.choices('peers')} (default all)")
     peers.add_argument("--json", metavar="PATH", help="write the results as JSON (default: OUT/peers.json)")
     peers.add_argument("--out", default="results/peers", help="where plots and JSON go")
     peers.add_argument("--dir", default=".flatcake-bench", help="scratch directory on the disk to measure")
@@ -408,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     ctx.add_argument("--gpu", help="GPU profile for the compute model: a100 (default) or h200")
     ctx.add_argument("--tokens", help="cached-prefix lengths, comma-separated (default 8192,16384,32768,65536,131072)")
     ctx.add_argument("--suffix", type=int, help="new tokens prefilled after the cached prefix (default 512)")
-    ctx.add_argument("--systems", help="comma-separated: recompute,tiered,mooncake,flatcake (default all)")
+    ctx.add_argument("--systems", help=f"comma-separated: {names.choices('context')} (default all)")
     ctx.add_argument("--measured-layers", type=int, dest="measured_layers",
                      help="layers stored and restored; the restore is scaled to the model's (default 10)")  # fmt: skip
     ctx.add_argument("--repeats", type=int, help="measurements per system and length (default 3)")
@@ -459,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     simp.add_argument("--model", help="model preset: dsv4-flash (default) or llama3-70b-tp4")
     simp.add_argument("--gpu", help="GPU compute profile: h200 (default) or a100")
     simp.add_argument("--qps", type=_csv(float, "--qps"), help="arrival rates (default 0.1,0.25,0.5,1.0)")
-    simp.add_argument("--systems", type=_csv(str, "--systems"), help="flatcake,tiered-l2,tiered-l3 (default all)")
+    simp.add_argument("--systems", type=_csv(str, "--systems"), help=f"{names.choices('simulate')} (default all)")
     simp.add_argument("--device", help="storage profile: nvme-raid0-4x-pm9a3 (default) or this-vm")
     simp.add_argument("--scheduler", help="FlatCake's scheduler: mas (default) or fcfs")
     simp.add_argument(

@@ -83,3 +83,10 @@ def test_every_path_the_docs_name_exists() -> None:
 
     missing = sorted(f"{page}: {path}" for page, path in named if not exists(path))
     assert not missing, missing
+
+
+def test_the_benchmark_page_holds_the_generated_system_names() -> None:
+    from flatcake.loadgen import names
+
+    text = (DOCS / "benchmarks.md").read_text()
+    assert names.markdown_table() in text, "docs/benchmarks.md is stale: run bin/generate"

@@ -9,7 +9,7 @@ is timed:
 
 - ``tiered`` and ``mooncake`` hand over a whole request: an SGLang prefetch must finish before the
   host->GPU load starts, so TTFT = restore + prefill(suffix after N cached).
-- ``flatcake`` streams layers: layer l's prefill can start once layer l's KV is in place, so TTFT is
+- ``flatcake-engine`` streams layers: layer l's prefill can start once layer l's KV is in place, so TTFT is
   the layer pipeline over the measured per-layer arrivals (``layer_pipeline_s``).
 
 One rank's KV is measured, as if the rank had the device to itself. To fit this disk, only
@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from flatcake.loadgen import names
 from flatcake.loadgen.bench import worker
 from flatcake.loadgen.bench.peers import _device_reads, drop_caches, make_system
 from flatcake.loadgen.models import ModelPreset, gpu_profile, preset
@@ -41,9 +42,10 @@ from flatcake.loadgen.systems.base import SystemSpec, pids
 from flatcake.loadgen.systems.mooncake import MIN_SEGMENT
 from flatcake.node_agent import ConfigError, Hints, aligned_empty
 
-SYSTEMS = ("recompute", "tiered", "mooncake", "flatcake")
-STORED = {"tiered": "tiered", "mooncake": "mooncake", "flatcake": "flatcake_engine"}  # name -> peers' system
-STREAMS_LAYERS = ("flatcake",)
+SYSTEMS = names.names("context")
+STORED = ("tiered", "mooncake", "flatcake-engine")  # the systems that store (peers' make_system builds them)
+STREAMS_LAYERS = ("flatcake-engine",)
+FLATCAKE = "flatcake-engine"  # the system the ratios compare against (keys keep "flatcake_vs_...")
 CHUNK_TOKENS = 8192  # the session is stored as a chunked prefill stores it: one put per chunk
 HOST_TO_GPU = "host->GPU copy not modelled (25-32 GB/s on PCIe 4/5 x16)"
 # The paper's Figure 10 (Llama-3.1-70B TP4 on A100, 8K-128K inputs): DESIGN.md section 2.
@@ -70,9 +72,9 @@ class ContextConfig:
         """The preset, once every field is checked against it (a ConfigError names the option)."""
         model = preset(self.model)
         gpu_profile(self.gpu)
-        unknown = [s for s in self.systems if s not in SYSTEMS]
-        if unknown or not self.systems:
-            raise ConfigError(f"--systems: {','.join(unknown) or '(none)'}: choose from {','.join(SYSTEMS)}")
+        if not self.systems:
+            raise ConfigError(f"--systems: none given; choose from {names.choices('context')}")
+        names.resolve("context", self.systems, "--systems")
         bad = [n for n in self.tokens if n <= 0 or n % model.page_tokens]
         if bad or not self.tokens:
             raise ConfigError(
@@ -96,7 +98,9 @@ class ContextConfig:
 
 
 # Mooncake is left out: its cold prepare (offload settling, then eviction by fillers) takes ~17 s a length.
-QUICK = ContextConfig(tokens=(2048, 8192), measured_layers=2, repeats=1, systems=("recompute", "tiered", "flatcake"))
+QUICK = ContextConfig(
+    tokens=(2048, 8192), measured_layers=2, repeats=1, systems=("recompute", "tiered", "flatcake-engine")
+)
 
 
 # ---- the TTFT model: pure functions ---------------------------------------------------------------------
@@ -156,7 +160,7 @@ def measure(system: str, directory: Path, cfg: ContextConfig, tokens: int) -> di
     spec = SystemSpec(layers=m, page_bytes=span, page_tokens=model.page_tokens, sessions=1,
                       session_bytes=session_bytes, dram_fraction=fraction, flush_dram=True, mla=model.mla,
                       host_pool=True)  # fmt: skip
-    store = make_system(STORED[system], directory, spec, pages)
+    store = make_system(system, directory, spec, pages)
     try:
         keys = [f"ctx-{tokens}-{i}" for i in range(pages)]
         chunk = max(1, CHUNK_TOKENS // model.page_tokens)
@@ -316,11 +320,11 @@ def run(cfg: ContextConfig, directory: Path, *, log: Callable[[str], None] = pri
 
 def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Each other system's median TTFT over FlatCake's (above 1: FlatCake is faster)."""
-    fc = systems.get("flatcake", {})
+    fc = systems.get(FLATCAKE, {})
     if not fc.get("ran"):
         return {}
     return {f"flatcake_vs_{name}": s["ttft_s"]["median"] / fc["ttft_s"]["median"]
-            for name, s in systems.items() if name != "flatcake" and s.get("ran")}  # fmt: skip
+            for name, s in systems.items() if name != FLATCAKE and s.get("ran")}  # fmt: skip
 
 
 def ratio_ranges(rows: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
@@ -364,13 +368,13 @@ def _cell(s: dict[str, Any] | None) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     """TTFT in seconds per context length (median [min-max] over repeats), and FlatCake's ratios."""
-    names = [s for s in SYSTEMS if s in report["config"]["systems"]]
-    peers = [s for s in names if s != "flatcake"]
-    head = f"{'tokens':>7} " + " ".join(f"{n:>19}" for n in names)
+    shown = [s for s in SYSTEMS if s in report["config"]["systems"]]
+    peers = [s for s in shown if s != FLATCAKE]
+    head = f"{'tokens':>7} " + " ".join(f"{n:>19}" for n in shown)
     head += "".join(f" {'FC vs ' + p:>17}" for p in peers)
     lines = [f"TTFT (s), median [min-max]; {report['scaling']['note']}; {HOST_TO_GPU}", head]
     for row in report["rows"]:
-        line = f"{row['tokens']:>7} " + " ".join(f"{_cell(row['systems'].get(n)):>19}" for n in names)
+        line = f"{row['tokens']:>7} " + " ".join(f"{_cell(row['systems'].get(n)):>19}" for n in shown)
         line += "".join(f" {row['ratios'].get(f'flatcake_vs_{p}', float('nan')):>16.2f}x" for p in peers)
         lines.append(line)
     lines.append("")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flatcake.loadgen import names
 from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.emulator.core import page_keys
 from flatcake.loadgen.emulator.storage import engine_config
@@ -42,9 +43,9 @@ from flatcake.node_agent.constants import PLACEMENT_MODES
 
 BUNDLED = BUNDLED_TRACE
 FLATCAKE = str(Path(sys.executable).parent / "flatcake")
-# none: recompute every prompt (no prefix storage); hicache-file: tiered with SGLang's HiCacheFile as L3
-SYSTEMS = ("flatcake", "tiered", "hicache-file", "dram", "none")
-EMULATE = {"hicache-file": ("tiered", "hicache-file")}  # system -> (emulator mode, L3), where not (system, log)
+SYSTEMS = names.names("e2e")
+# system -> (emulator mode, L3), where not (system, log); hicache-file: tiered with SGLang's HiCacheFile as L3
+EMULATE = {"hicache-file": ("tiered", "hicache-file"), "recompute": ("none", "log")}
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,10 @@ class E2EConfig:
     use_agent: bool = True
 
     def __post_init__(self) -> None:
-        for s in self.systems:
-            if s not in SYSTEMS:
-                raise ValueError(f"systems: {s!r} is not one of {', '.join(SYSTEMS)}")
+        if self.systems != names.resolve("e2e", self.systems):
+            raise ValueError(
+                f"systems: {self.systems} use earlier spellings; give {names.resolve('e2e', self.systems)}"
+            )
         for mode in self.placements:
             if mode not in PLACEMENT_MODES:
                 raise ValueError(f"placements: {mode!r} is not one of {', '.join(PLACEMENT_MODES)}")

@@ -7,9 +7,9 @@ of its own (``worker``), so its peak RSS, its device reads and a crash are its o
 (fio, ``O_DIRECT``, FlatCake's read size and queue depth) is measured between systems, ABAB.
 
 Systems (``PEERS``): ``flatcake`` (FlatCake's SGLang backend built by SGLang's factory, over a node
-agent process), ``flatcake_engine`` (the engine directly: layers stream as they land),
-``hicache_file`` (SGLang's file backend), ``mooncake`` (Mooncake Store: master process, DRAM segment,
-SSD offload), ``tiered`` (DRAM LRU evicting to an SSD log, whole-page reads), ``tiered_naive`` (the
+agent process), ``flatcake-engine`` (the engine directly: layers stream as they land),
+``hicache-file`` (SGLang's file backend), ``mooncake`` (Mooncake Store: master process, DRAM segment,
+SSD offload), ``tiered`` (DRAM LRU evicting to an SSD log, whole-page reads), ``tiered-naive`` (the
 same, one read per page-layer). A system that cannot be built or started is reported as not run,
 with the reason; the others still run.
 
@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from flatcake.loadgen import names
 from flatcake.loadgen.bench import worker
 from flatcake.loadgen.bench.agent import percentile
 from flatcake.loadgen.bench.fio import SequentialReadLimit
@@ -46,7 +47,7 @@ from flatcake.loadgen.traces.sessions import Session, pick, sessions
 from flatcake.node_agent import ChainSignals, ConfigError, aligned_empty, round_up
 
 MiB = 1 << 20
-PEERS = ("flatcake", "flatcake_engine", "hicache_file", "mooncake", "tiered", "tiered_naive")
+PEERS = names.names("peers")
 METRICS = (
     "restore_bytes_per_s", "time_to_first_layer_s", "restore_p50_s", "restore_p99_s", "durable_write_bytes_per_s",
     "ack_write_bytes_per_s", "dram_hit_fraction", "peak_rss_bytes", "peak_staging_bytes", "read_amplification",
@@ -166,16 +167,15 @@ def _crc(page: np.ndarray) -> int:
 # ---- the worker: one system, in its own process ------------------------------------------------------
 def make_system(name: str, directory: Path, spec: SystemSpec, session_pages: int) -> System:
     """A peer by name. The SGLang systems import SGLang and torch, so they are imported only when run."""
-    if name not in PEERS:
-        raise ConfigError(f"systems: {name!r} is not one of {', '.join(PEERS)}")
-    if name in ("flatcake", "hicache_file"):
+    (name,) = names.resolve("peers", [name])
+    if name in ("flatcake", "hicache-file"):
         from flatcake.loadgen.systems import sglang
 
         cls = sglang.FlatCakeSGLangSystem if name == "flatcake" else sglang.HiCacheFileSystem
         return cls(directory, spec, session_pages)
     if name == "mooncake":
         return MooncakeSystem(directory, spec)
-    return SYSTEMS["flatcake" if name == "flatcake_engine" else name](directory, spec)
+    return SYSTEMS[name](directory, spec)
 
 
 def _proc(pid: int | str, field_name: str, table: str = "status") -> int:
@@ -404,6 +404,7 @@ def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
     for name, s in systems.items():
         if name == "flatcake" or not s.get("ran"):
             continue
+        name = name.replace("-", "_")  # keys as before the registry's names, to compare across commits
         out[f"flatcake_vs_{name}_restore"] = fc["restore_bytes_per_s"] / s["restore_bytes_per_s"]
         out[f"flatcake_vs_{name}_ttfl"] = s["time_to_first_layer_s"] / fc["time_to_first_layer_s"]
         out[f"flatcake_vs_{name}_write"] = fc["durable_write_bytes_per_s"] / s["durable_write_bytes_per_s"]

@@ -93,7 +93,7 @@ def spec(cfg: BenchConfig, name: str, sessions: int, turns: int) -> SystemSpec:
         layers=w.layers, page_bytes=w.page_bytes, page_tokens=w.page_tokens, sessions=sessions,
         session_bytes=turns * w.turn_bytes, workers=cfg.workers, gap_bytes=cfg.gap_bytes,
         staging_layers=cfg.staging_layers, staging_slot_bytes=cfg.staging_slot_bytes,
-        dram_fraction=0.0 if name == "flatcake" else cfg.tiered_dram_fraction,
+        dram_fraction=0.0 if name == "flatcake-engine" else cfg.tiered_dram_fraction,
     )  # fmt: skip
 
 
@@ -245,12 +245,12 @@ def run(
 
 
 def ratios(results: dict[str, dict[str, Any]], limit: dict[str, Any], segments: int, layers: int) -> dict[str, float]:
-    fc = results["flatcake"]
-    return {
+    fc = results["flatcake-engine"]
+    return {  # keys kept from before the registry's names, so reports compare across commits
         "flatcake_vs_limit": fc["read_bytes_per_s"] / limit["read_bytes_per_s"],
         "flatcake_vs_tiered": fc["read_bytes_per_s"] / results["tiered"]["read_bytes_per_s"],
-        "flatcake_vs_tiered_naive": fc["read_bytes_per_s"] / results["tiered_naive"]["read_bytes_per_s"],
-        "flatcake_vs_per_block": fc["read_bytes_per_s"] / results["per_block"]["read_bytes_per_s"],
+        "flatcake_vs_tiered_naive": fc["read_bytes_per_s"] / results["tiered-naive"]["read_bytes_per_s"],
+        "flatcake_vs_per_block": fc["read_bytes_per_s"] / results["per-block"]["read_bytes_per_s"],
         "commands_per_segment_layer": fc["read_commands"] / (segments * layers),
         "read_amplification": fc["bytes_read"] / fc["bytes_requested"],
     }
@@ -323,7 +323,7 @@ def context_sweep(cfg: BenchConfig, directory: Path, quiet: bool) -> list[dict[s
         t: {"turns": t, "context_tokens": t * w.pages_per_turn * w.page_tokens, "context_bytes": t * w.turn_bytes}
         for t in points
     }
-    for name in ("flatcake", "tiered"):
+    for name in ("flatcake-engine", "tiered"):
         where = directory / f"context-{name}"
         shutil.rmtree(where, ignore_errors=True)
         system = SYSTEMS[name](where, spec(cfg, name, 1, w.turns))
@@ -332,7 +332,7 @@ def context_sweep(cfg: BenchConfig, directory: Path, quiet: bool) -> list[dict[s
             for t in points:
                 system.prepare()
                 restore_all(system, w, dest, True, turns=t)
-                rows[t][f"{name}_staging_peak_bytes"] = system.counters().staging_peak_bytes
+                rows[t][f"{name.removesuffix('-engine')}_staging_peak_bytes"] = system.counters().staging_peak_bytes
         finally:
             system.close()
             shutil.rmtree(where, ignore_errors=True)

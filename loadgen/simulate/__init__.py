@@ -5,6 +5,7 @@ real ``LocalCatalog``/``ScopeTable``, its read plans are the real ``plan_restore
 the real FC-MAS ``Scheduler``; the tiered baselines run SGLang HiCache's prefetch rules
 (``loadgen/systems/hicache.py``). Modules, in the order data flows: ``events`` (the virtual clock),
 ``devices`` (bandwidth, per-command cost, queue depth; profiles with sources), ``hbm`` (per-instance
-LRU prefix cache), ``workload`` (trace, page keys, ideal hit), ``systems`` (flatcake, tiered-l2,
-tiered-l3), ``run`` (one point, sweeps in processes), ``report`` (table, JSON, plots).
+LRU prefix cache), ``workload`` (trace, page keys, ideal hit), ``systems`` (flatcake, dram,
+tiered: the registry's names, loadgen/names.py), ``run`` (one point, sweeps in processes),
+``report`` (table, JSON, plots).
 """

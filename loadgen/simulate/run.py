@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from flatcake.errors import ConfigError
+from flatcake.loadgen import names
 from flatcake.loadgen.models import gpu_profile, preset
 from flatcake.loadgen.simulate import devices, workload
 from flatcake.loadgen.simulate.events import EventLoop
@@ -73,9 +74,10 @@ class SimConfig:
         for name in ("nodes", "gpus_per_node", "samples", "workers", "streams"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}: {getattr(self, name)} must be >= 1")
-        unknown = sorted(set(self.systems) - set(SYSTEMS))
-        if unknown or not self.systems:
-            raise ConfigError(f"--systems: {unknown or 'none'} given; choose from {','.join(SYSTEMS)}")
+        if not self.systems:
+            raise ConfigError(f"--systems: none given; choose from {','.join(SYSTEMS)}")
+        if self.systems != names.resolve("simulate", self.systems, "--systems"):
+            raise ConfigError(f"--systems: {self.systems} use earlier spellings")
         if not self.qps or min(self.qps) <= 0:
             raise ConfigError(f"--qps: {self.qps} must be rates > 0")
         if self.scheduler not in SCHEDULER_POLICIES:

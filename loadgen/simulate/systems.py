@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from flatcake.errors import CapacityError
+from flatcake.loadgen import names
 from flatcake.loadgen.overlap import even_arrivals, latest, prefill_end
 from flatcake.loadgen.simulate.devices import Device, DeviceProfile
 from flatcake.loadgen.simulate.events import EventLoop
@@ -38,7 +39,7 @@ from flatcake.node_agent import (
     plan_restore,
 )
 
-SYSTEMS = ("flatcake", "tiered-l2", "tiered-l3")
+SYSTEMS = names.names("simulate")
 OFFSET_MASK = (1 << 48) - 1
 
 
@@ -423,7 +424,7 @@ class Tiered(System):
 
     def __init__(self, c: Cluster, loop: EventLoop, l3: bool) -> None:
         super().__init__(c, loop)
-        self.name = "tiered-l3" if l3 else "tiered-l2"
+        self.name = "tiered" if l3 else "dram"
         self.l3_enabled = l3
         self.bucket_pages = max(1, c.bucket_bytes // c.page_span)
         self.buckets = max(1, c.ssd_bytes // (self.bucket_pages * c.page_span)) if l3 else 0
@@ -644,6 +645,6 @@ class Tiered(System):
 def make(name: str, c: Cluster, loop: EventLoop) -> System:
     if name == "flatcake":
         return FlatCake(c, loop)
-    if name in ("tiered-l2", "tiered-l3"):
-        return Tiered(c, loop, l3=name == "tiered-l3")
+    if name in ("dram", "tiered"):
+        return Tiered(c, loop, l3=name == "tiered")
     raise ValueError(f"--systems: {name!r} is not a system; choose from {','.join(SYSTEMS)}")

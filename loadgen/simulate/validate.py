@@ -38,7 +38,7 @@ from flatcake.loadgen.traces.formats import BUNDLED_TRACE
 from flatcake.node_agent import ChainSignals
 
 # Simulated system -> the emulator mode that runs the same rules on real storage.
-EMULATED = {"flatcake": "flatcake", "tiered-l3": "tiered", "tiered-l2": "dram"}
+EMULATED = {"flatcake": "flatcake", "tiered": "tiered", "dram": "dram"}
 SIZES = ("hbm_bytes", "dram_bytes", "ssd_bytes", "scope_file_bytes", "prefetchers")
 HIT_POINTS = 2.0
 TTFT_RATIO = 0.15

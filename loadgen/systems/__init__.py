@@ -9,11 +9,12 @@ from flatcake.loadgen.systems.flatcake import FlatCakeSystem
 from flatcake.loadgen.systems.per_block import PerBlockSystem
 from flatcake.loadgen.systems.tiered import TieredNaiveSystem, TieredSystem
 
+# The in-process systems of bench restore (and of peers, context), by their registry names (names.py).
 SYSTEMS: dict[str, Callable[[Path, SystemSpec], System]] = {
-    "flatcake": FlatCakeSystem,
+    "flatcake-engine": FlatCakeSystem,
     "tiered": TieredSystem,
-    "tiered_naive": TieredNaiveSystem,
-    "per_block": PerBlockSystem,
+    "tiered-naive": TieredNaiveSystem,
+    "per-block": PerBlockSystem,
 }
 
 __all__ = [

@@ -52,7 +52,7 @@ def engine_config(spec: SystemSpec, pool_dir: Path, dram: DramConfig, streams: i
 
 
 class FlatCakeSystem:
-    name = "flatcake"
+    name = "flatcake-engine"
 
     def __init__(self, directory: Path, spec: SystemSpec) -> None:
         dram = DramConfig(huge_pages=False, name=f"flatcake-bench-{directory.name}-{os.getpid()}")

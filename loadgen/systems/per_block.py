@@ -84,7 +84,7 @@ class PerBlockStore:
 
 
 class PerBlockSystem(StoreSystem):
-    name = "per_block"
+    name = "per-block"
 
     def __init__(self, directory: Path, spec: SystemSpec) -> None:
         self.store = PerBlockStore(directory, layers=spec.layers, page_bytes=spec.page_bytes, workers=spec.workers)

@@ -1,5 +1,5 @@
 """Systems driven the way SGLang drives a HiCache storage backend: FlatCake's backend (``flatcake``)
-and SGLang's own file backend (``hicache_file``), each built by SGLang's ``StorageBackendFactory``.
+and SGLang's own file backend (``hicache-file``), each built by SGLang's ``StorageBackendFactory``.
 
 SGLang's host KV pools cannot be built on a machine without a GPU (they import transformers and a
 device pool), so ``HostPool`` reproduces their page layouts as SGLang 0.5.23 defines them (the node
@@ -300,7 +300,7 @@ class HiCacheFileSystem(_SGLangSystem):
     directory, written with buffered I/O and renamed into place; flat data pages through
     ``batch_set``/``batch_get``, as SGLang's cache controller moves them for this backend."""
 
-    name = "hicache_file"
+    name = "hicache-file"
 
     def __init__(self, directory: Path, spec: SystemSpec, session_pages: int) -> None:
         super().__init__(directory, spec, session_pages)

@@ -5,7 +5,7 @@ through the same O_DIRECT primitives FlatCake uses.
 
 Two readers: ``whole_page`` (the honest baseline: one command per page, all its layers, as SGLang's
 ``page_first`` layouts and Mooncake's per-page objects read) and ``page_layer`` (one command per
-page-layer: the fragmented access the paper measures, kept as ``tiered_naive``).
+page-layer: the fragmented access the paper measures, kept as ``tiered-naive``).
 
 The L3 may instead be a real storage backend (``l3=``, a ``PageStore``: SGLang's ``HiCacheFile``, one
 file per page, in ``loadgen/systems/sglang.py``): evicted pages are written through it and prefetched
@@ -275,5 +275,5 @@ class TieredSystem(StoreSystem):
 class TieredNaiveSystem(TieredSystem):
     """The same tiered design with one read command per page-layer (the paper's fragmented baseline)."""
 
-    name = "tiered_naive"
+    name = "tiered-naive"
     reader = "page_layer"

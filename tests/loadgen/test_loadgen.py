@@ -121,18 +121,20 @@ def test_local_runs_only_target_loopback() -> None:
 
 def test_end_to_end_through_locust_then_the_report(tmp_path: Path) -> None:
     """A small replay per system through the real Locust, emulator and agent processes."""
-    cfg = e2e.E2EConfig(requests=12, qps=(6.0,), systems=("flatcake", "none"), repeats=1)
+    cfg = e2e.E2EConfig(requests=12, qps=(6.0,), systems=("flatcake", "recompute"), repeats=1)
     started = time.monotonic()
     report = e2e.run(cfg, tmp_path, log=lambda _: None)
     runs = {name: runs["6"] for name, runs in report["systems"].items()}
-    assert set(runs) == {"flatcake", "none"} and all(r["requests"] == 12 and r["errors"] == 0 for r in runs.values())
+    assert set(runs) == {"flatcake", "recompute"} and all(
+        r["requests"] == 12 and r["errors"] == 0 for r in runs.values()
+    )
     # Replay timing: every request left within 0.5 s of its scaled schedule.
     for line in (tmp_path / "flatcake" / "qps-6" / "rep-0" / "results.jsonl").read_text().splitlines():
         rec = json.loads(line)
         assert rec["sent"] - rec["scheduled"] < 0.5
     ideal = report["meta"]["ideal_hit_rate_pages"]
     assert 0 < runs["flatcake"]["delivered_hit_rate"] <= ideal + 1e-9
-    assert runs["none"]["hit_composition"]["ssd"] == 0 and runs["flatcake"]["hit_composition"]["ssd"] > 0
+    assert runs["recompute"]["hit_composition"]["ssd"] == 0 and runs["flatcake"]["hit_composition"]["ssd"] > 0
     for name in report["plots"]:
         png = tmp_path / name
         assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5_000
@@ -142,7 +144,7 @@ def test_end_to_end_through_locust_then_the_report(tmp_path: Path) -> None:
     assert saved["meta"]["requests"] == 12 and saved["model"] == "dsv4-flash"
     assert saved["calibration"]["gpu"] == "a100" and saved["calibration"]["sources"]
     rows = {row["system"]: row for row in saved["summary"]}
-    assert set(rows) == {"flatcake", "none"} and rows["flatcake"]["scheduler"] == "mas"
+    assert set(rows) == {"flatcake", "recompute"} and rows["flatcake"]["scheduler"] == "mas"
     for row in rows.values():  # what the checks read, spreads over (here one) repeat
         assert set(row["delivered_hit_rate"]) == {"min", "median", "max"} and row["repeats"] == 1
         assert isinstance(row["saturated"], bool) and 0 <= row["dram_hit_share"] <= 1
@@ -154,9 +156,9 @@ def test_end_to_end_through_locust_then_the_report(tmp_path: Path) -> None:
 
 def test_a_rate_past_capacity_is_flagged_saturated(tmp_path: Path) -> None:
     """Recompute-only on the modelled GPU, every request arriving at once: the backlog is reported."""
-    cfg = e2e.E2EConfig(requests=8, qps=(200.0,), systems=("none",), repeats=1)
+    cfg = e2e.E2EConfig(requests=8, qps=(200.0,), systems=("recompute",), repeats=1)
     report = e2e.run(cfg, tmp_path, log=lambda _: None)
-    point = report["systems"]["none"]["200"]
+    point = report["systems"]["recompute"]["200"]
     assert point["saturated"] and "backlog" in point["saturation"][0]
     assert "SATURATED" in R.format_table(report) and report["summary"][0]["saturated"] is True
 

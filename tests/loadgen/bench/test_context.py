@@ -64,11 +64,11 @@ def test_whole_request_systems_add_the_scaled_restore_and_streaming_overlaps_it(
               "layer_arrivals_s": [0.02 * (i + 1) for i in range(10)]}  # fmt: skip
     whole = bc.ttft_of("tiered", result, model, cfg)
     assert whole["ttft_s"] == pytest.approx(0.2 * 8 + prefill) and whole["restore_s"] == pytest.approx(1.6)
-    streamed = bc.ttft_of("flatcake", result, model, cfg)
+    streamed = bc.ttft_of("flatcake-engine", result, model, cfg)
     assert streamed["arrivals"] == "measured per layer"
     assert 1.6 < streamed["ttft_s"] < whole["ttft_s"]
     assert streamed["ttft_s"] >= 1.6 + prefill / model.layers - 1e-12
-    interpolated = bc.ttft_of("flatcake", dict(result, layer_arrivals_s=None), model, cfg)
+    interpolated = bc.ttft_of("flatcake-engine", dict(result, layer_arrivals_s=None), model, cfg)
     assert interpolated["arrivals"] == "interpolated between first layer and total"
 
 
@@ -78,8 +78,8 @@ def test_bad_options_name_the_option_and_the_fix(capsys: pytest.CaptureFixture[s
         bc.ContextConfig(tokens=(8192, 1000)).geometry()
     with pytest.raises(ConfigError, match=r"--measured-layers: 3 must divide .*80 layers"):
         bc.ContextConfig(measured_layers=3).geometry()
-    with pytest.raises(ConfigError, match=r"--systems: gds"):
-        bc.ContextConfig(systems=("flatcake", "gds")).geometry()
+    with pytest.raises(ConfigError, match=r"--systems: 'gds' is not a system of context; choose from flatcake-engine,"):
+        bc.ContextConfig(systems=("flatcake-engine", "gds")).geometry()
     with pytest.raises(ConfigError, match="gpu"):
         bc.ContextConfig(gpu="b200").geometry()
     scratch = tmp_path / "scratch"
@@ -106,25 +106,25 @@ def test_quick_measures_every_length_and_the_ratios_are_the_medians(
     model = preset("llama3-70b-tp4")
     for row in report["rows"]:
         systems = row["systems"]
-        assert set(systems) == {"recompute", "tiered", "flatcake"}
+        assert set(systems) == {"recompute", "tiered", "flatcake-engine"}
         for name, s in systems.items():
             assert s["ran"], (name, s["why_not"])
             assert s["ttft_s"]["min"] <= s["ttft_s"]["median"] <= s["ttft_s"]["max"]
         assert systems["recompute"]["ttft_s"]["median"] == pytest.approx(
             model.prefill_s(row["tokens"] + 512, 0, "a100")
         )
-        for name in ("tiered", "flatcake"):
+        for name in ("tiered", "flatcake-engine"):
             s = systems[name]
             assert s["dram_pages"] == 0 and s["read_commands"] > 0  # every page came from the SSD
-        tiered, fc, prefill = systems["tiered"], systems["flatcake"], row["prefill_suffix_s"]
+        tiered, fc, prefill = systems["tiered"], systems["flatcake-engine"], row["prefill_suffix_s"]
         assert tiered["ttft_s"]["median"] == pytest.approx(tiered["restore_s"]["median"] + prefill)
         # Streamed: no sooner than the first layer plus all the compute, no later than waiting for it all.
         assert fc["first_layer_s"]["median"] + prefill - 1e-9 <= fc["ttft_s"]["median"]
         assert fc["ttft_s"]["median"] <= fc["restore_s"]["median"] + prefill + 1e-9
-        assert systems["flatcake"]["arrivals"] == "measured per layer"
+        assert systems["flatcake-engine"]["arrivals"] == "measured per layer"
         for name in ("recompute", "tiered"):
             assert row["ratios"][f"flatcake_vs_{name}"] == pytest.approx(
-                systems[name]["ttft_s"]["median"] / systems["flatcake"]["ttft_s"]["median"]
+                systems[name]["ttft_s"]["median"] / systems["flatcake-engine"]["ttft_s"]["median"]
             )
     assert report["paper"]["flatcake_vs_mooncake"] == [1.5, 2.4]
     assert [Path(p).name for p in report["plots"]] == ["context_ttft.png"] and (out / "context_ttft.png").stat().st_size
@@ -134,7 +134,7 @@ def test_quick_measures_every_length_and_the_ratios_are_the_medians(
 @pytest.mark.integration
 def test_mooncake_restores_from_its_ssd_offload(tmp_path: Path) -> None:
     pytest.importorskip("mooncake.store")
-    cfg = dataclasses.replace(bc.QUICK, tokens=(2048,), systems=("mooncake", "flatcake"))
+    cfg = dataclasses.replace(bc.QUICK, tokens=(2048,), systems=("mooncake", "flatcake-engine"))
     report = bc.run(cfg, tmp_path, log=lambda _: None)
     row = report["rows"][0]
     mooncake = row["systems"]["mooncake"]

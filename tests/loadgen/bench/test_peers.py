@@ -12,7 +12,7 @@ from flatcake.cli import main
 from flatcake.loadgen.bench import peers as bp
 
 TINY = bp.PeersConfig(layers=4, page_layer_bytes=8192, page_tokens=256, sessions=3, turns=2, pages_per_turn=4,
-                      repeats=1, systems=("flatcake_engine", "tiered"))  # fmt: skip
+                      repeats=1, systems=("flatcake-engine", "tiered"))  # fmt: skip
 
 
 @pytest.mark.integration
@@ -26,7 +26,7 @@ def test_sessions_come_from_the_trace_in_its_order() -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("system", ["flatcake_engine", "flatcake", "hicache_file", "tiered", "tiered_naive"])
+@pytest.mark.parametrize("system", ["flatcake-engine", "flatcake", "hicache-file", "tiered", "tiered-naive"])
 def test_every_page_is_checked_and_a_corrupted_one_is_caught(tmp_path: Path, system: str) -> None:
     w = bp.workload(TINY)
     victim = w.sessions[0].pages[-1]
@@ -41,11 +41,11 @@ def test_every_page_is_checked_and_a_corrupted_one_is_caught(tmp_path: Path, sys
 
 @pytest.mark.integration
 def test_a_system_that_cannot_start_is_reported_and_the_others_run(tmp_path: Path) -> None:
-    cfg = dataclasses.replace(TINY, systems=("flatcake_engine", "no_such_system", "tiered"))
+    cfg = dataclasses.replace(TINY, systems=("flatcake-engine", "no_such_system", "tiered"))
     report = bp.run(cfg, tmp_path, quiet=True, log=lambda _: None)
     broken = report["systems"]["no_such_system"]
     assert broken["ran"] is False and "no_such_system" in broken["why_not"]
-    assert report["systems"]["flatcake_engine"]["ran"] and report["systems"]["tiered"]["ran"]
+    assert report["systems"]["flatcake-engine"]["ran"] and report["systems"]["tiered"]["ran"]
     assert "not run" in bp.format_table(report)
 
 
@@ -55,7 +55,7 @@ def test_quick_runs_the_ci_systems_and_ratios_come_from_the_same_medians(tmp_pat
     assert main(["bench", "peers", "--quick", "--quiet", "--dir", str(tmp_path / "scratch"), "--out", str(out)]) == 0
     report = json.loads((out / "peers.json").read_text())
     systems = report["systems"]
-    assert {"flatcake", "flatcake_engine", "hicache_file", "mooncake", "tiered", "tiered_naive"} == set(systems)
+    assert {"flatcake", "flatcake-engine", "hicache-file", "mooncake", "tiered", "tiered-naive"} == set(systems)
     for name, s in systems.items():
         assert s["ran"], (name, s["why_not"])
         assert s["corrupt_pages"] == 0 and s["verified_pages"] > 0
@@ -65,11 +65,11 @@ def test_quick_runs_the_ci_systems_and_ratios_come_from_the_same_medians(tmp_pat
     for name, s in systems.items():
         if name == "flatcake":
             continue
-        ratios = report["ratios"]
-        assert ratios[f"flatcake_vs_{name}_restore"] == pytest.approx(
+        ratios, key = report["ratios"], name.replace("-", "_")  # ratio keys keep their earlier spelling
+        assert ratios[f"flatcake_vs_{key}_restore"] == pytest.approx(
             fc["restore_bytes_per_s"] / s["restore_bytes_per_s"]
         )
-        assert ratios[f"flatcake_vs_{name}_ttfl"] == pytest.approx(
+        assert ratios[f"flatcake_vs_{key}_ttfl"] == pytest.approx(
             s["time_to_first_layer_s"] / fc["time_to_first_layer_s"]
         )
     assert report["limit"]["read_bytes_per_s"] > 0 and report["limit"]["block_bytes"] % 4096 == 0
@@ -95,7 +95,7 @@ def test_a_page_is_reused_when_a_later_request_asks_for_it_again() -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("system", ["flatcake", "flatcake_engine"])
+@pytest.mark.parametrize("system", ["flatcake", "flatcake-engine"])
 def test_placement_through_each_flatcake_path_covers_every_stored_page(tmp_path: Path, system: str) -> None:
     w = bp.workload(TINY)
     result = bp.run_system(system, tmp_path / system, w, TINY)
@@ -104,7 +104,7 @@ def test_placement_through_each_flatcake_path_covers_every_stored_page(tmp_path:
     reused = sum(bp.reused_later(w).values())
     assert placed["dram"][1] + placed["ssd"][1] == reused
     # SGLang hands a storage backend whole pages (batch_get_v1): no layer is usable before the last.
-    assert result["layers_streamed"] is (system == "flatcake_engine")
+    assert result["layers_streamed"] is (system == "flatcake-engine")
     summary = bp.summarize([result, result])
     for medium in ("dram", "ssd"):
         p = summary["placement"][medium]

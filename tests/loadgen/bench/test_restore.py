@@ -19,19 +19,19 @@ TINY = br.Workload(sessions=3, turns=3, pages_per_turn=8, layers=4, page_bytes=8
 def test_run_measures_every_system_and_derives_ratios(tmp_path: Path) -> None:
     cfg = dataclasses.replace(br.BenchConfig(workload=TINY), staging_slot_bytes=64 * 1024)
     report = br.run(cfg, tmp_path, sweep="gap", quiet=True, log=lambda _: None)
-    assert set(report["systems"]) == {"flatcake", "tiered", "tiered_naive", "per_block"}
+    assert set(report["systems"]) == {"flatcake-engine", "tiered", "tiered-naive", "per-block"}
     pages = TINY.sessions * TINY.turns * TINY.pages_per_turn
     for s in report["systems"].values():
         assert s["bytes_requested"] == pages * TINY.layers * TINY.page_bytes
         assert s["pages_missing"] == 0 and s["read_bytes_per_s"] > 0
-    fc, tiered = report["systems"]["flatcake"], report["systems"]["tiered"]
+    fc, tiered = report["systems"]["flatcake-engine"], report["systems"]["tiered"]
     # Two commands per segment (each turn is one): layer 0 alone, then its other layers back to back;
     # nothing read twice.
     assert fc["read_commands"] == 2 * TINY.sessions * TINY.turns
     assert report["ratios"]["commands_per_segment_layer"] == 2 / TINY.layers
     assert report["ratios"]["read_amplification"] == 1.0
     assert tiered["read_commands"] == pages  # whole pages, one command each
-    assert report["systems"]["tiered_naive"]["read_commands"] == pages * TINY.layers  # page-layer by page-layer
+    assert report["systems"]["tiered-naive"]["read_commands"] == pages * TINY.layers  # page-layer by page-layer
     assert tiered["staging_peak_bytes"] == TINY.turns * TINY.pages_per_turn * TINY.layers * TINY.page_bytes
     assert fc["staging_peak_bytes"] == 0  # read in place: the destination is aligned
     hp = report["host_paths"]  # the same restores, in place and staged, alternated

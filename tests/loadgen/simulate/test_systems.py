@@ -47,8 +47,8 @@ def test_flatcake_places_by_the_real_decide(tmp_path: Path) -> None:
 
 def test_tiered_l2_hits_less_with_tiny_dram(tmp_path: Path) -> None:
     trace = sessions_trace(tmp_path / "t.jsonl")
-    tiny, _ = simulate(small(trace, dram_bytes=64 * MiB), "tiered-l2", 1.0)
-    big, _ = simulate(small(trace, dram_bytes=256 * GiB), "tiered-l2", 1.0)
+    tiny, _ = simulate(small(trace, dram_bytes=64 * MiB), "dram", 1.0)
+    big, _ = simulate(small(trace, dram_bytes=256 * GiB), "dram", 1.0)
     assert tiny["delivered_hit_rate"] < big["delivered_hit_rate"]
 
 
@@ -56,14 +56,14 @@ def test_flatcake_needs_fewer_read_commands_per_page_than_tiered_l3(tmp_path: Pa
     trace = sessions_trace(tmp_path / "t.jsonl")
     cfg = small(trace, dram_bytes=8 * GiB)  # the tiered host tier spills to its SSD log
     fc, _ = simulate(cfg, "flatcake", 1.0)
-    l3, _ = simulate(cfg, "tiered-l3", 1.0)
+    l3, _ = simulate(cfg, "tiered", 1.0)
     assert fc["ssd_read_commands"] and l3["ssd_read_commands"]
     assert fc["read_commands_per_page"] < l3["read_commands_per_page"] == 1.0
 
 
 def test_same_seed_same_json(tmp_path: Path) -> None:
     cfg = small(sessions_trace(tmp_path / "t.jsonl"), dram_bytes=8 * GiB)
-    for system in ("flatcake", "tiered-l3"):
+    for system in ("flatcake", "tiered"):
         a, _ = simulate(cfg, system, 0.5)
         b, _ = simulate(cfg, system, 0.5)
         a.pop("sim_wall_s"), b.pop("sim_wall_s")
@@ -75,7 +75,7 @@ def test_one_cold_request_costs_exactly_its_prefill(tmp_path: Path) -> None:
     write_trace(trace, [TraceRequest(0.0, 4096, 10, tuple(range(1, 9)), "s", 1, 512)])
     cfg = small(str(trace), gpu="h200")
     p = preset(cfg.model)
-    for system in ("flatcake", "tiered-l2", "tiered-l3"):
+    for system in ("flatcake", "dram", "tiered"):
         r, _ = simulate(cfg, system, None)
         assert r["delivered_hit_rate"] == 0.0 and r["ideal_hit_rate"] == 0.0
         assert r["ttft_mean_s"] == pytest.approx(p.prefill_s(4096, 0, "h200"))
@@ -100,14 +100,14 @@ def test_bytes_placed_are_reclaimed_or_resident(tmp_path: Path) -> None:
 
 def test_tiered_l3_reclaims_its_log_by_bucket(tmp_path: Path) -> None:
     cfg = small(sessions_trace(tmp_path / "t.jsonl", sessions=8), dram_bytes=1 * GiB, ssd_bytes=8 * 512 * MiB)
-    _, sim = simulate(cfg, "tiered-l3", 1.0)
+    _, sim = simulate(cfg, "tiered", 1.0)
     assert isinstance(sim, Tiered) and sim.reclaimed_buckets > 0
 
 
 def test_the_same_inputs_give_the_same_json(tmp_path: Path) -> None:
     """No hidden randomness or wall-clock dependence: a what-if answer can be reproduced exactly."""
     cfg = small(sessions_trace(tmp_path / "t.jsonl", sessions=5, turns=3), dram_bytes=2 * GiB, ssd_bytes=8 * GiB)
-    for system in ("flatcake", "tiered-l2", "tiered-l3"):
+    for system in ("flatcake", "dram", "tiered"):
         first, _ = simulate(cfg, system, 2.0)
         again, _ = simulate(cfg, system, 2.0)
         for r in (first, again):
@@ -139,7 +139,7 @@ def test_the_policy_is_imported_from_the_agent_not_copied() -> None:
     assert used <= imported and not defined, (used - imported, defined)
 
 
-@pytest.mark.parametrize("system", ["tiered-l2", "tiered-l3"])
+@pytest.mark.parametrize("system", ["dram", "tiered"])
 def test_tiered_keeps_new_pages_in_hbm_until_backed_up(tmp_path: Path, system: str) -> None:
     """HiCache evicts a page from HBM only once the host tier holds it (the emulator: new pages are
     pinned from its insert until their store returns). A's pages that survived its own insert are
@@ -176,7 +176,7 @@ def _burst_trace(path: Path, sessions: int = 8, blocks: int = 32) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("system", ["flatcake", "tiered-l3"])
+@pytest.mark.parametrize("system", ["flatcake", "tiered"])
 def test_prepared_pages_wait_in_bounded_host_staging_not_hbm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, system: str
 ) -> None:

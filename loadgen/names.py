@@ -1,0 +1,93 @@
+"""One name per benchmark system, meaning the same thing in every benchmark (``bench restore``,
+``bench peers``, ``bench e2e``, ``bench context`` and ``simulate``); each runs the systems it can.
+
+The single source for names, ``--systems`` help and errors. No imports beyond the standard library,
+so the CLI can build its help without loading a system. Earlier spellings (``tiered_naive``,
+``tiered-l3``, ``none`` ...) are still accepted and mapped to these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from flatcake.errors import ConfigError
+
+BENCHES = ("restore", "peers", "e2e", "context", "simulate")
+
+
+@dataclass(frozen=True)
+class SystemName:
+    name: str
+    what: str
+    benches: tuple[str, ...]
+
+
+REGISTRY: tuple[SystemName, ...] = (
+    SystemName("flatcake", "FlatCake as a serving engine runs it: through its node agent (peers: SGLang's "
+               "backend over the agent; e2e: the emulator as the agent's client; simulate: the agent's catalog "
+               "and scheduler)", ("peers", "e2e", "simulate")),
+    SystemName("flatcake-engine", "FlatCake's engine in process, no agent (its layers stream as they land)",
+               ("restore", "peers", "context")),
+    SystemName("tiered", "SGLang HiCache's rules: a host LRU tier evicting into an idealized SSD log (one "
+               "contiguous log, whole-page reads)", ("restore", "peers", "e2e", "context", "simulate")),
+    SystemName("tiered-naive", "the tiered store reading page-layer by page-layer (the paper's fragmented reads)",
+               ("restore", "peers")),
+    SystemName("per-block", "one file per page, read layer by layer", ("restore",)),
+    SystemName("hicache-file", "SGLang 0.5.23's own HiCacheFile (one file per page) as the storage backend or "
+               "L3; needs the sglang extra", ("peers", "e2e")),
+    SystemName("mooncake", "Mooncake Store: a master, a DRAM segment, SSD offload", ("peers", "context")),
+    SystemName("dram", "SGLang HiCache's host tier alone (no storage below it)", ("e2e", "simulate")),
+    SystemName("recompute", "nothing stored: every prompt is prefilled", ("e2e", "context")),
+)  # fmt: skip
+
+ALIASES = {
+    "flatcake_engine": "flatcake-engine",
+    "tiered_naive": "tiered-naive",
+    "per_block": "per-block",
+    "hicache_file": "hicache-file",
+    "tiered-l3": "tiered",
+    "tiered-l2": "dram",
+    "none": "recompute",
+}
+
+
+def names(bench: str) -> tuple[str, ...]:
+    """The systems ``bench`` runs, in the registry's order."""
+    if bench not in BENCHES:
+        raise ValueError(f"bench: {bench!r} is not one of {', '.join(BENCHES)}")
+    return tuple(s.name for s in REGISTRY if bench in s.benches)
+
+
+def resolve(bench: str, given: Iterable[str], field: str = "systems") -> tuple[str, ...]:
+    """``given`` as registry names (earlier spellings mapped), or a ConfigError naming the field, the
+    bench's choices and, for a system another bench runs, which."""
+    ours = names(bench)
+    out = []
+    for raw in given:
+        name = ALIASES.get(raw, raw)
+        if name not in ours:
+            elsewhere = [b for s in REGISTRY if s.name == name for b in s.benches]
+            hint = f" ({name} runs in: {', '.join(elsewhere)})" if elsewhere else ""
+            raise ConfigError(f"{field}: {raw!r} is not a system of {bench}; choose from {','.join(ours)}{hint}")
+        out.append(name)
+    return tuple(out)
+
+
+def choices(bench: str) -> str:
+    """``--systems`` help: the bench's systems, comma-separated."""
+    return ",".join(names(bench))
+
+
+TABLE_BEGIN = "<!-- begin generated: flatcake.loadgen.names.markdown_table -->"
+TABLE_END = "<!-- end generated -->"
+
+
+def markdown_table() -> str:
+    """The registry as docs/benchmarks.md shows it (regenerate with bin/generate)."""
+    rows = ["| system | what it is | " + " | ".join(BENCHES) + " |", "|---|---|" + "---|" * len(BENCHES)]
+    for s in REGISTRY:
+        marks = " | ".join("yes" if b in s.benches else "" for b in BENCHES)
+        rows.append(f"| `{s.name}` | {s.what} | {marks} |")
+    old = ", ".join(f"`{a}` → `{b}`" for a, b in ALIASES.items())
+    return "\n".join(rows) + f"\n\nEarlier spellings still accepted: {old}."

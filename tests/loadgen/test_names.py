@@ -1,0 +1,44 @@
+"""One registry of benchmark system names (loadgen/names.py): each bench runs what it says it runs, a
+name means one thing, and earlier spellings still work."""
+
+from __future__ import annotations
+
+import pytest
+
+from flatcake.errors import ConfigError
+from flatcake.loadgen import names
+from flatcake.loadgen.bench import context, e2e, peers
+from flatcake.loadgen.simulate import systems as simulated
+from flatcake.loadgen.systems import SYSTEMS
+
+pytestmark = pytest.mark.unit
+
+
+def test_each_bench_runs_the_registrys_names() -> None:
+    assert set(SYSTEMS) == set(names.names("restore"))  # restore runs every in-process system
+    assert names.names("peers") == peers.PEERS
+    assert names.names("e2e") == e2e.SYSTEMS
+    assert names.names("context") == context.SYSTEMS
+    assert names.names("simulate") == simulated.SYSTEMS
+    # e2e's systems each map to an emulator mode; the stored systems of context are peers' systems.
+    assert all(e2e.EMULATE.get(s, (s, "log"))[0] in ("flatcake", "tiered", "dram", "none") for s in e2e.SYSTEMS)
+    assert set(context.STORED) <= set(peers.PEERS)
+
+
+def test_earlier_spellings_map_and_a_wrong_name_says_where_it_runs() -> None:
+    old = ["tiered_naive", "flatcake_engine", "hicache_file"]
+    assert names.resolve("peers", old) == ("tiered-naive", "flatcake-engine", "hicache-file")
+    assert names.resolve("simulate", ["tiered-l3", "tiered-l2"]) == ("tiered", "dram")
+    assert names.resolve("e2e", ["none"]) == ("recompute",)
+    with pytest.raises(ConfigError, match=r"--systems: 'per-block' is not a system of e2e; choose from flatcake,.*"
+                       r"\(per-block runs in: restore\)"):  # fmt: skip
+        names.resolve("e2e", ["per-block"], "--systems")
+    with pytest.raises(ConfigError, match="'nope' is not a system of simulate; choose from flatcake,tiered,dram$"):
+        names.resolve("simulate", ["nope"])
+
+
+def test_names_are_unique_and_spelled_one_way() -> None:
+    all_names = [s.name for s in names.REGISTRY]
+    assert len(all_names) == len(set(all_names))
+    assert all(n == n.lower() and "_" not in n for n in all_names)
+    assert not set(names.ALIASES) & set(all_names) and set(names.ALIASES.values()) <= set(all_names)
