@@ -561,9 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
         emulate.add_argument(f"--{name}", type=kind, dest=field, help=f"(default: {EMULATOR_DEFAULTS[field]})")
     emulate.add_argument(
         "--l3",
-        choices=["log", "hicache-file"],
-        help="tiered mode: what holds the pages the host tier evicts: an idealized SSD log (default) or SGLang's "
-        "HiCacheFile, one file per page (needs the sglang extra)",
+        choices=["log", "hicache-file", "hicache-mooncake"],
+        help="tiered mode: what holds the pages the host tier evicts: an idealized SSD log (default), SGLang's "
+        "HiCacheFile, one file per page (needs the sglang extra), or Mooncake Store (needs the peers extra)",
     )
     emulate.add_argument(
         "--scheduler",

@@ -45,7 +45,8 @@ BUNDLED = BUNDLED_TRACE
 FLATCAKE = str(Path(sys.executable).parent / "flatcake")
 SYSTEMS = names.names("e2e")
 # system -> (emulator mode, L3), where not (system, log); hicache-file: tiered with SGLang's HiCacheFile as L3
-EMULATE = {"hicache-file": ("tiered", "hicache-file"), "recompute": ("none", "log")}
+EMULATE = {"hicache-file": ("tiered", "hicache-file"), "hicache-mooncake": ("tiered", "hicache-mooncake"),
+           "recompute": ("none", "log")}  # fmt: skip
 
 
 @dataclass(frozen=True)

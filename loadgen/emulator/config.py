@@ -12,7 +12,8 @@ from flatcake.node_agent.constants import PLACEMENT_MODES, SCHEDULER_POLICIES
 
 MODES = ("flatcake", "tiered", "dram", "none")
 MiB = 1 << 20
-L3_BACKENDS = ("log", "hicache-file")  # tiered: the idealized SSD log, or SGLang's HiCacheFile
+# tiered: the idealized SSD log, SGLang's HiCacheFile, or Mooncake Store (SGLang's Mooncake backend)
+L3_BACKENDS = ("log", "hicache-file", "hicache-mooncake")
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,7 @@ import numpy.typing as npt
 
 from flatcake.loadgen.emulator.config import EmulatorConfig, MiB
 from flatcake.loadgen.overlap import even_arrivals
-from flatcake.loadgen.systems.sglang import HiCacheFilePages
-from flatcake.loadgen.systems.tiered import TieredStore
+from flatcake.loadgen.systems.tiered import PageStore, TieredStore
 from flatcake.node_agent import (
     SSD_THRESHOLD,
     ChainSignals,
@@ -55,8 +54,7 @@ class Storage:
                 self.engine = Engine(engine_config(cfg, root))
         elif cfg.mode in ("tiered", "dram"):
             bucket = max(cfg.page_span, (64 * MiB) // cfg.page_span * cfg.page_span)
-            files = cfg.mode == "tiered" and cfg.l3 == "hicache-file"
-            l3 = HiCacheFilePages(root / "hicache", cfg.layers, cfg.page_bytes) if files else None
+            l3 = real_l3(cfg, root) if cfg.mode == "tiered" else None
             log_buckets = -(-cfg.ssd_bytes // bucket) if cfg.mode == "tiered" and l3 is None else 0
             self.tiered = TieredStore(root, layers=cfg.layers, page_bytes=cfg.page_bytes,
                                       dram_pages=max(1, cfg.dram_bytes // cfg.page_span), bucket_bytes=bucket,
@@ -164,6 +162,19 @@ class Storage:
             self.engine.close()
         if self.tiered is not None:
             self.tiered.close()
+
+
+def real_l3(cfg: EmulatorConfig, root: Path) -> PageStore | None:
+    """The tiered mode's L3 when it is a real backend (``cfg.l3``), imported only then (SGLang, Mooncake)."""
+    if cfg.l3 == "hicache-file":
+        from flatcake.loadgen.systems.sglang import HiCacheFilePages
+
+        return HiCacheFilePages(root / "hicache", cfg.layers, cfg.page_bytes)
+    if cfg.l3 == "hicache-mooncake":
+        from flatcake.loadgen.systems.mooncake import MooncakePages
+
+        return MooncakePages(root / "mooncake", cfg.layers, cfg.page_bytes)
+    return None
 
 
 def engine_config(cfg: EmulatorConfig, root: Path) -> EngineConfig:

@@ -413,3 +413,64 @@ class MooncakeSystem:
             self._log.close()
             self._log = None
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class MooncakePages:
+    """Mooncake Store as the tiered cache's L3 (``TieredStore(l3=...)``, the emulator's ``--l3
+    hicache-mooncake``): SGLang HiCache over its Mooncake backend. Pages go through ``MooncakeSystem``
+    (a real master and embedded client) with the calls that backend makes, ``STORAGE_BATCH_SIZE`` pages
+    a call: ``batch_is_exist`` + ``batch_put_from`` to write (``batch_set_v1``), ``batch_get_into`` to
+    read (``batch_get_v1``). The DRAM segment is Mooncake's smallest (16 MiB), so the L3 lives on its SSD
+    offload: the DRAM budget is the host tier's, as for every other system. Calls are serialized (one
+    registered staging buffer): SGLang makes them from its one prefetch and one backup thread."""
+
+    def __init__(self, directory: Path, layers: int, page_bytes: int) -> None:
+        import threading
+
+        span = layers * page_bytes
+        segment_pages = -(-MIN_SEGMENT // span)
+        spec = SystemSpec(layers=layers, page_bytes=page_bytes, page_tokens=1, sessions=1, session_bytes=BATCH * span,
+                          dram_fraction=(segment_pages + 0.5) / BATCH, flush_dram=False)  # fmt: skip
+        self.system = MooncakeSystem(directory, spec)
+        self.layers, self.page_bytes = layers, page_bytes
+        self._lock = threading.Lock()
+
+    def set(self, key: Key, page: Array) -> bool:
+        return self.set_many([key], [page]) == [True]
+
+    def get(self, key: Key, into: Array) -> bool:
+        return self.get_many([key], [into]) == [True]
+
+    def set_many(self, keys: Sequence[Key], pages: Sequence[Array]) -> list[bool]:
+        kv = np.stack([np.asarray(p).reshape(self.layers, self.page_bytes) for p in pages], axis=1)
+        with self._lock:
+            before = self.system.failed_puts
+            self.system.put(keys, kv, Hints())
+            failed = self.system.failed_puts - before
+        stored = self.system._stored
+        return [str(k) in stored for k in keys] if failed else [True] * len(keys)
+
+    def get_many(self, keys: Sequence[Key], into: Sequence[Array]) -> list[bool]:
+        dest = aligned_empty((self.layers, len(keys), self.page_bytes))
+        ok = [True] * len(keys)
+        with self._lock:
+            for lo in range(0, len(keys), BATCH):
+                part = keys[lo : lo + BATCH]
+                got = self._get_batch(part, dest[:, lo : lo + len(part)])
+                ok[lo : lo + len(part)] = got
+        for i, buf in enumerate(into):
+            buf.reshape(self.layers, self.page_bytes)[...] = dest[:, i]
+        return ok
+
+    def _get_batch(self, keys: Sequence[Key], dest: Array) -> list[bool]:
+        s = self.system
+        names = [str(k) for k in keys]
+        ptrs = [s.staging.ctypes.data + i * s.span for i in range(len(names))]
+        results = s._store.batch_get_into(names, ptrs, [s.span] * len(names))
+        got = [r == s.span for r in results]
+        ok = np.flatnonzero(got)
+        dest[:, ok] = s.staging[ok].transpose(1, 0, 2)
+        return got
+
+    def close(self) -> None:
+        self.system.close()

@@ -19,11 +19,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from flatcake.loadgen.systems.base import Array, MiB, RequestTiming, RestoreCounters, StoreSystem, SystemSpec
+from flatcake.loadgen.systems.hicache import STORAGE_BATCH_PAGES
 from flatcake.node_agent import Key, PosixDirectIO, aligned_empty, create_pool
 
 READERS = ("whole_page", "page_layer")
@@ -34,6 +35,15 @@ class PageStore(Protocol):
 
     def set(self, key: Key, page: Array) -> bool: ...
     def get(self, key: Key, into: Array) -> bool: ...
+
+
+@runtime_checkable
+class BatchPageStore(PageStore, Protocol):
+    """An L3 whose backend takes a batch of pages a call (Mooncake's ``batch_get_into``); HiCacheFile's
+    batch calls loop over pages, so it is a plain ``PageStore``."""
+
+    def set_many(self, keys: Sequence[Key], pages: Sequence[Array]) -> list[bool]: ...
+    def get_many(self, keys: Sequence[Key], into: Sequence[Array]) -> list[bool]: ...
 
 
 class TieredStore:
@@ -148,12 +158,17 @@ class TieredStore:
         return slot
 
     def _write_back(self, victims: list[tuple[Key, Array, tuple[int, int, int]]]) -> None:
-        for key, page, (bucket, offset, gen) in victims:
-            if self.store is not None:
-                if self.store.set(key, page):
-                    with self._lock:
+        if self.store is not None and victims:
+            if isinstance(self.store, BatchPageStore):  # a backend that takes a batch a call (SGLang's v1 API)
+                stored = self.store.set_many([k for k, _, _ in victims], [p for _, p, _ in victims])
+            else:
+                stored = [self.store.set(key, page) for key, page, _ in victims]
+            with self._lock:
+                for (key, _, _), ok in zip(victims, stored, strict=True):
+                    if ok:
                         self.l3[key] = (-1, 0)
-                continue
+            return
+        for key, page, (bucket, offset, gen) in victims:
             buf = aligned_empty(self.page_span)
             buf.reshape(self.layers, self.page_bytes)[...] = page
             self.io.submit_write(0, bucket, offset, [buf]).result()
@@ -208,7 +223,16 @@ class TieredStore:
                         bucket, offset = on_ssd[i]
                         reads.append((i, (bucket, offset + layer * pb), staging[layer, i]))
         c.staging_peak_bytes = max(c.staging_peak_bytes, staging.nbytes)
-        if self.store is not None:  # one page at a time through the backend, as SGLang's I/O thread
+        if isinstance(self.store, BatchPageStore):  # the whole read in the backend's batches
+            arrived = self.store.get_many([keys[i] for i, _, _ in reads], [buf for _, _, buf in reads])
+            c.read_commands += -(-len(reads) // STORAGE_BATCH_PAGES)
+            for (i, _, buf), ok in zip(reads, arrived, strict=True):
+                if ok:
+                    c.bytes_read += buf.nbytes
+                else:
+                    missing.add(i)
+            reads = []
+        elif self.store is not None:  # one page at a time through the backend, as SGLang's I/O thread
             for i, _, buf in reads:
                 c.read_commands += 1
                 if self.store.get(keys[i], buf):
@@ -241,6 +265,9 @@ class TieredStore:
 
     def close(self) -> None:
         self.io.close()
+        close = getattr(self.store, "close", None)  # a real L3 with processes of its own (Mooncake's master)
+        if close is not None:
+            close()
 
 
 class TieredSystem(StoreSystem):
