@@ -19,7 +19,9 @@ the residence: Table 2's DRAM choice whose distance is beyond the residence goes
 would be reclaimed, and lost, before it is read), and an SSD choice whose session has come back well
 within the residence goes to DRAM. While DRAM has never had to reclaim, every session that has come
 back goes to DRAM: a pool with room keeps it until reuse, where Table 2 would leave DRAM idle (at a
-node's capacity, 1 TiB, it placed 10% there and read 49 GB from SSD).
+node's capacity, 1 TiB, it placed 10% there and read 49 GB from SSD). A promotion takes free DRAM
+only, never reclaims for itself (``scopes._reserve_dram``): in the main job's small pool, promotions
+that evicted cut hits from 92.8% to 88.5%.
 """
 
 from __future__ import annotations

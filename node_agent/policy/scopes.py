@@ -317,7 +317,9 @@ class ScopeTable:
         n = len(keys)
         if n > self.dram.slots - (len(scope.slots) if scope else 0):
             return None  # can never fit: overflow to SSD without evicting anything first
-        if self.dram.free < n:
+        if self.dram.free < n and decision.reason is not Reason.REUSE_WITHIN_DRAM:
+            # A promotion (adaptive) only takes free slots: evicting for it reclaimed whole scopes that
+            # were about to be read (their only copy), which cost more than the promotion gained.
             self._reclaim(Medium.DRAM, n, keep=scope)
         if self.dram.free < n:
             return None

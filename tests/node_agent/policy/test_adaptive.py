@@ -122,3 +122,27 @@ def test_the_rule_against_the_measured_residence() -> None:
 def test_the_mode_is_checked() -> None:
     with pytest.raises(ConfigError, match="placement.mode: 'lru' must be one of table2, adaptive"):
         PlacementConfig(mode="lru")
+
+
+def test_a_promotion_takes_free_dram_only_and_never_reclaims_for_itself() -> None:
+    table = ScopeTable(node_id=1, layers=LAYERS, page_bytes=PAGE, file_bytes=64 * LAYERS * PAGE, files=8,
+                       dram_slots=4, adaptive=True)  # fmt: skip
+    ssd = Decision(Medium.SSD, Reason.ONE_SHOT)
+    first = table.reserve(["a0", "a1"], None, ssd)
+    table.publish(first)
+    found = table.pin(["a0", "a1"])  # the session comes back: its reuse distance is measured
+    table.unpin(set(found.scope.tolist()))
+    full = table.reserve(["d0", "d1", "d2", "d3"], None, Decision(Medium.DRAM, Reason.SHARED_PROMPT))
+    table.publish(full)
+    # DRAM has never reclaimed: the session's next turn is promoted, but DRAM is full and a promotion
+    # does not evict the shared prompt: the turn stays on SSD.
+    turn = table.reserve(["a2"], "a1", ssd)
+    assert turn.scope.medium is Medium.SSD and full.scope.id in table.scopes
+    assert table.reuse is not None and table.reuse.to_dram == 1 and table.reclaimed[Medium.DRAM].scopes == 0
+    table.publish(turn)
+    # With room, the same promotion lands in DRAM.
+    roomy = ScopeTable(node_id=1, layers=LAYERS, page_bytes=PAGE, file_bytes=64 * LAYERS * PAGE, files=8,
+                       dram_slots=8, adaptive=True)  # fmt: skip
+    roomy.publish(roomy.reserve(["a0", "a1"], None, ssd))
+    roomy.unpin(set(roomy.pin(["a0", "a1"]).scope.tolist()))
+    assert roomy.reserve(["a2"], "a1", ssd).scope.medium is Medium.DRAM
