@@ -581,16 +581,22 @@ class Tiered(System):
         self._finish_prefill(job, cached, dram + staged)
 
     def store(self, job: Job, cached: int) -> None:
-        """New pages enter the host tier; what falls off its LRU end goes to the SSD log (L3) or is lost
-        (L2). HiCache evicts a page from HBM only once it is backed up, so the new pages stay pinned there
-        until the one writer has copied them into the host tier and written what that pushed to the log
-        (the emulator's store returns then)."""
+        """New pages enter the host tier and (``tiered``) are backed up to the node's SSD log (L3); what
+        falls off the host tier's LRU end is dropped (``dram``). HiCache evicts a page from HBM only once
+        it is backed up, so the new pages stay pinned there until the one writer has copied them into the
+        host tier (and written what that pushed out, as the emulator's store returns then)."""
         inst, new = job.inst, list(job.req.keys[cached:])
         if not new:
             return
         inst.hbm.pin(new, +1)
         done = inst.writer.submit(self.loop.now, len(new) * self.c.page_span, 1)
         spilled = self._l2_insert(inst, new)
+        if self.l3_enabled:
+            # SGLang's write_through (its documented setting with a storage backend) backs every page up
+            # to storage as it enters the host tier, so the node's L3 serves the node's other instances too
+            # (before, pages reached L3 only when evicted, which a 1 TiB host tier never did).
+            # HBM waits for the host copy, not for storage: the backup runs from the host tier.
+            self._l3_append(inst.node, [k for k in new if k not in self.l3[inst.node]])
         self.loop.at(max(done, spilled or done), inst.hbm.pin, new, -1)
 
     def _l2_insert(self, inst: Instance, keys: list[int]) -> float | None:

@@ -213,3 +213,24 @@ def test_prepared_pages_wait_in_bounded_host_staging_not_hbm(
         assert out["hit_share"]["ssd"] > 0  # the prepared pages reached their prefills
         peaks.append(max(tokens for tokens, _, _ in seen))
     assert peaks == sorted(set(peaks))
+
+
+def test_tiered_backs_pages_up_to_the_nodes_l3_which_serves_its_other_instances(tmp_path: Path) -> None:
+    """SGLang's write_through with a storage backend backs every page up to storage as it enters the
+    host tier; the node's L3 then serves another instance's request with the same prefix, though no
+    host tier ever evicted it (the host tier is per instance; ``dram`` has no L3 and recomputes)."""
+    from flatcake.loadgen.simulate.workload import route
+
+    names = [f"s{i}" for i in range(64)]
+    a = next(n for n in names if route(n + "/i", 2) == 0)
+    b = next(n for n in names if route(n + "/i", 2) == 1)
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, [TraceRequest(0.0, 4096, 1, tuple(range(1, 9)), a, 1, 512),
+                        TraceRequest(60_000.0, 5120, 1, tuple(range(1, 11)), b, 1, 512)])  # fmt: skip
+    cfg = small(str(trace), model="llama3-70b-tp4")  # 4 ranks an instance: 2 instances on the node
+    hits = {}
+    for system in ("tiered", "dram"):
+        _, sim = simulate(cfg, system, None)
+        hits[system] = max(sim.records, key=lambda r: r.arrival).hit
+    assert hits["tiered"]["ssd"] > 0 and hits["tiered"]["hbm"] == 0
+    assert hits["dram"] == {"hbm": 0, "dram": 0, "ssd": 0}
