@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import json
 from pathlib import Path
@@ -133,7 +134,10 @@ def test_quick_measures_every_length_and_the_ratios_are_the_medians(
 
 @pytest.mark.integration
 def test_mooncake_restores_from_its_ssd_offload(tmp_path: Path) -> None:
-    pytest.importorskip("mooncake.store")
+    assert importlib.util.find_spec("mooncake") is not None, (
+        "Mooncake Store is not installed: pip install --no-deps -r requirements/peers.txt "
+        "(bin/test installs it with FLATCAKE_EXTRAS='sglang peers')"
+    )
     cfg = dataclasses.replace(bc.QUICK, tokens=(2048,), systems=("mooncake", "flatcake-engine"))
     report = bc.run(cfg, tmp_path, log=lambda _: None)
     row = report["rows"][0]

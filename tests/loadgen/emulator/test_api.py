@@ -3,6 +3,7 @@ with the clients themselves (``openai``, ``sglang.bench_serving`` with three bac
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -278,7 +279,10 @@ def test_the_openai_client_chat(emulator: Server) -> None:
 def test_sglang_bench_serving(emulator: Server, backend: str, tmp_path: Path) -> None:
     """SGLang's own benchmark client, offline: random token ids decoded by a local tokenizer that
     follows the emulator's rule, so its prompt lengths are the emulator's."""
-    pytest.importorskip("sglang")  # installed with requirements/sglang.txt, as bin/test does
+    assert importlib.util.find_spec("sglang") is not None, (
+        "SGLang is not installed: pip install -r requirements/sglang.txt (bin/test installs it with "
+        "FLATCAKE_EXTRAS='sglang peers')"
+    )
     tokenizer = bench_serving.make_tokenizer(tmp_path / "tokenizer")
     result = tmp_path / "result.jsonl"
     cmd = [sys.executable, bench_serving.__file__, "--backend", backend, "--base-url", f"http://127.0.0.1:{emulator.port}",
