@@ -457,9 +457,7 @@ class ScopeTable:
                 for sid in set(found.scope.tolist()):
                     scope = self.scopes[sid]
                     scope.pins += 1
-                    if self.reuse is not None and not scope.reread:  # once per write, not per read
-                        scope.reread, scope.reuse = True, now - scope.written
-                        self.reuse.reused(scope.reuse)
+                    self._came_back(scope, now)
                     scope.last_used = now
             return found
 
@@ -546,9 +544,7 @@ class ScopeTable:
         now = next(self._clock)
         session = None
         if parent is not None:
-            if not parent.reread:  # back without a read: its prefix was still in the engine's HBM
-                parent.reread, parent.reuse = True, now - parent.written
-                self.reuse.reused(parent.reuse)
+            self._came_back(parent, now)  # without a read, too: its prefix was still in the engine's HBM
             session = parent.reuse
         if self._ghosts:
             for h in zip(digests[0].tolist(), digests[1].tolist(), strict=True):
@@ -556,8 +552,16 @@ class ScopeTable:
                 if written is not None:
                     session = now - written
                     self.reuse.reused(session)
-        oldest = min((s.last_used for s in self.scopes.values() if s.medium is Medium.DRAM), default=now)
+        oldest = now
+        if self.reuse.residence is not None:  # the scan matters only once DRAM has reclaimed
+            oldest = min((s.last_used for s in self.scopes.values() if s.medium is Medium.DRAM), default=now)
         return self.reuse.adjust(decision, session, now - oldest)
+
+    def _came_back(self, scope: Scope, now: int) -> None:
+        """Adaptive placement: the first use of ``scope`` since its last write is its reuse distance."""
+        if self.reuse is not None and not scope.reread:
+            scope.reread, scope.reuse = True, now - scope.written
+            self.reuse.reused(scope.reuse)
 
     def _new_scope(self, medium: Medium) -> Scope:
         scope = Scope(next(self._ids), medium, next(self._clock))
