@@ -56,6 +56,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -63,6 +64,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from flatcake.loadgen.systems.base import Array, RequestTiming, RestoreCounters, SystemSpec
 from flatcake.net import free_port
@@ -273,16 +275,23 @@ class MooncakeSystem:
         return stored
 
     def put(self, keys: Sequence[Key], kv: Array, hints: Hints) -> None:
+        self.store_pages(keys, kv)
+
+    def store_pages(self, keys: Sequence[Key], kv: Array) -> list[bool]:
         """One object per page: skip the stored ones (``batch_is_exist``), stage the rest page-major,
-        ``batch_put_from`` them (SGLang's ``batch_set_v1``)."""
+        ``batch_put_from`` them (SGLang's ``batch_set_v1``). Returns which keys are stored now."""
         names = [str(k) for k in keys]
         exists = self._store.batch_is_exist(names) if names else []
+        stored = {n for n, e in zip(names, exists, strict=True) if e == 1}
         new = [i for i, e in enumerate(exists) if e != 1]
         room = self.staging.shape[0]
         for lo in range(0, len(new), room):
             chunk = new[lo : lo + room]
             self.staging[: len(chunk)] = kv[:, chunk].transpose(1, 0, 2)
-            self._stored.update(self._put_staged([names[i] for i in chunk], list(range(len(chunk)))))
+            put = self._put_staged([names[i] for i in chunk], list(range(len(chunk))))
+            self._stored.update(put)
+            stored.update(put)
+        return [n in stored for n in names]
 
     # ---- prepare ---------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -359,17 +368,8 @@ class MooncakeSystem:
         c, room, missing = self._c, self.staging.shape[0], 0
         for lo in range(0, len(names), room):
             chunk = names[lo : lo + room]
-            got = np.zeros(len(chunk), dtype=bool)
             started = time.perf_counter()
-            for b in range(0, len(chunk), BATCH):
-                part = chunk[b : b + BATCH]
-                ptrs = [self.staging.ctypes.data + (b + i) * self.span for i in range(len(part))]
-                results = self._store.batch_get_into(part, ptrs, [self.span] * len(part))
-                c.read_commands += 1
-                for i, r in enumerate(results):
-                    if r == self.span:
-                        got[b + i] = True
-                        c.bytes_read += r
+            got = self.get_staged(chunk)
             storage_s += time.perf_counter() - started
             # The request's pages in the registered buffer, plus the SSD read arena resident since setup.
             c.staging_peak_bytes = max(c.staging_peak_bytes, len(chunk) * self.span + OFFLOAD_ARENA)
@@ -380,6 +380,21 @@ class MooncakeSystem:
         c.missing += missing
         c.requests.append(RequestTiming(storage_s, storage_s))  # a whole request: its first layer with its last
         return missing
+
+    def get_staged(self, names: Sequence[str]) -> npt.NDArray[np.bool_]:
+        """``batch_get_into`` the first ``len(names)`` pages of the staging buffer, ``BATCH`` pages a call
+        (SGLang's ``batch_get_v1``); which arrived."""
+        c, got = self._c, np.zeros(len(names), dtype=bool)
+        for b in range(0, len(names), BATCH):
+            part = names[b : b + BATCH]
+            ptrs = [self.staging.ctypes.data + (b + i) * self.span for i in range(len(part))]
+            results = self._store.batch_get_into(part, ptrs, [self.span] * len(part))
+            c.read_commands += 1
+            for i, r in enumerate(results):
+                if r == self.span:
+                    got[b + i] = True
+                    c.bytes_read += r
+        return got
 
     def counters(self) -> RestoreCounters:
         """``read_commands``: ``batch_get_into`` calls. ``dram_pages``: lookups since ``prepare`` that
@@ -425,8 +440,6 @@ class MooncakePages:
     registered staging buffer): SGLang makes them from its one prefetch and one backup thread."""
 
     def __init__(self, directory: Path, layers: int, page_bytes: int) -> None:
-        import threading
-
         span = layers * page_bytes
         segment_pages = -(-MIN_SEGMENT // span)
         spec = SystemSpec(layers=layers, page_bytes=page_bytes, page_tokens=1, sessions=1, session_bytes=BATCH * span,
@@ -444,33 +457,17 @@ class MooncakePages:
     def set_many(self, keys: Sequence[Key], pages: Sequence[Array]) -> list[bool]:
         kv = np.stack([np.asarray(p).reshape(self.layers, self.page_bytes) for p in pages], axis=1)
         with self._lock:
-            before = self.system.failed_puts
-            self.system.put(keys, kv, Hints())
-            failed = self.system.failed_puts - before
-        stored = self.system._stored
-        return [str(k) in stored for k in keys] if failed else [True] * len(keys)
+            return self.system.store_pages(keys, kv)
 
     def get_many(self, keys: Sequence[Key], into: Sequence[Array]) -> list[bool]:
-        dest = aligned_empty((self.layers, len(keys), self.page_bytes))
-        ok = [True] * len(keys)
+        staging, ok = self.system.staging, []
         with self._lock:
-            for lo in range(0, len(keys), BATCH):
-                part = keys[lo : lo + BATCH]
-                got = self._get_batch(part, dest[:, lo : lo + len(part)])
-                ok[lo : lo + len(part)] = got
-        for i, buf in enumerate(into):
-            buf.reshape(self.layers, self.page_bytes)[...] = dest[:, i]
+            for lo in range(0, len(keys), BATCH):  # the staging buffer holds BATCH pages
+                got = self.system.get_staged([str(k) for k in keys[lo : lo + BATCH]])
+                for i in np.flatnonzero(got).tolist():
+                    into[lo + i].reshape(self.layers, self.page_bytes)[...] = staging[i]
+                ok += got.tolist()
         return ok
-
-    def _get_batch(self, keys: Sequence[Key], dest: Array) -> list[bool]:
-        s = self.system
-        names = [str(k) for k in keys]
-        ptrs = [s.staging.ctypes.data + i * s.span for i in range(len(names))]
-        results = s._store.batch_get_into(names, ptrs, [s.span] * len(names))
-        got = [r == s.span for r in results]
-        ok = np.flatnonzero(got)
-        dest[:, ok] = s.staging[ok].transpose(1, 0, 2)
-        return got
 
     def close(self) -> None:
         self.system.close()

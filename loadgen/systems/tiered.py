@@ -46,6 +46,21 @@ class BatchPageStore(PageStore, Protocol):
     def get_many(self, keys: Sequence[Key], into: Sequence[Array]) -> list[bool]: ...
 
 
+def _l3_read(store: PageStore, keys: Sequence[Key], bufs: Sequence[Array]) -> tuple[list[bool], int]:
+    """Whole pages through a real L3 as SGLang's I/O thread calls it: a batch a call where the backend
+    takes batches (its v1 API), else a page at a time. Returns which arrived and the calls made."""
+    if isinstance(store, BatchPageStore):
+        return store.get_many(keys, bufs), -(-len(keys) // STORAGE_BATCH_PAGES)
+    return [store.get(key, buf) for key, buf in zip(keys, bufs, strict=True)], len(keys)
+
+
+def _l3_write(store: PageStore, keys: Sequence[Key], pages: Sequence[Array]) -> list[bool]:
+    """Whole pages into a real L3, batched as ``_l3_read``; which were stored."""
+    if isinstance(store, BatchPageStore):
+        return store.set_many(keys, pages)
+    return [store.set(key, page) for key, page in zip(keys, pages, strict=True)]
+
+
 class TieredStore:
     """Safe to use from several threads, as SGLang's storage threads use a backend: an index lock is held
     only to look up, reserve and publish, never across I/O, so reads never wait for writes."""
@@ -159,10 +174,7 @@ class TieredStore:
 
     def _write_back(self, victims: list[tuple[Key, Array, tuple[int, int, int]]]) -> None:
         if self.store is not None and victims:
-            if isinstance(self.store, BatchPageStore):  # a backend that takes a batch a call (SGLang's v1 API)
-                stored = self.store.set_many([k for k, _, _ in victims], [p for _, p, _ in victims])
-            else:
-                stored = [self.store.set(key, page) for key, page, _ in victims]
+            stored = _l3_write(self.store, [k for k, _, _ in victims], [p for _, p, _ in victims])
             with self._lock:
                 for (key, _, _), ok in zip(victims, stored, strict=True):
                     if ok:
@@ -223,19 +235,11 @@ class TieredStore:
                         bucket, offset = on_ssd[i]
                         reads.append((i, (bucket, offset + layer * pb), staging[layer, i]))
         c.staging_peak_bytes = max(c.staging_peak_bytes, staging.nbytes)
-        if isinstance(self.store, BatchPageStore):  # the whole read in the backend's batches
-            arrived = self.store.get_many([keys[i] for i, _, _ in reads], [buf for _, _, buf in reads])
-            c.read_commands += -(-len(reads) // STORAGE_BATCH_PAGES)
+        if self.store is not None:
+            arrived, commands = _l3_read(self.store, [keys[i] for i, _, _ in reads], [buf for _, _, buf in reads])
+            c.read_commands += commands
             for (i, _, buf), ok in zip(reads, arrived, strict=True):
                 if ok:
-                    c.bytes_read += buf.nbytes
-                else:
-                    missing.add(i)
-            reads = []
-        elif self.store is not None:  # one page at a time through the backend, as SGLang's I/O thread
-            for i, _, buf in reads:
-                c.read_commands += 1
-                if self.store.get(keys[i], buf):
                     c.bytes_read += buf.nbytes
                 else:
                     missing.add(i)
