@@ -593,9 +593,8 @@ class Tiered(System):
         spilled = self._l2_insert(inst, new)
         if self.l3_enabled:
             # SGLang's write_through (its documented setting with a storage backend) backs every page up
-            # to storage as it enters the host tier, so the node's L3 serves the node's other instances too
-            # (before, pages reached L3 only when evicted, which a 1 TiB host tier never did).
-            # HBM waits for the host copy, not for storage: the backup runs from the host tier.
+            # to storage as it enters the host tier, so the node's L3 serves its other instances too. HBM
+            # waits for the host copy only: the backup runs from the host tier.
             self._l3_append(inst.node, [k for k in new if k not in self.l3[inst.node]])
         self.loop.at(max(done, spilled or done), inst.hbm.pin, new, -1)
 

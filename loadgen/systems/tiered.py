@@ -8,8 +8,9 @@ Two readers: ``whole_page`` (the honest baseline: one command per page, all its 
 page-layer: the fragmented access the paper measures, kept as ``tiered-naive``).
 
 The L3 may instead be a real storage backend (``l3=``, a ``PageStore``: SGLang's ``HiCacheFile``, one
-file per page, in ``loadgen/systems/sglang.py``): evicted pages are written through it and prefetched
-pages read back through it, whole pages, one at a time, as SGLang's I/O thread calls a backend.
+file per page, in ``loadgen/systems/sglang.py``; Mooncake Store, ``mooncake.py``): evicted pages are
+written through it and prefetched pages read back through it, whole pages, as SGLang's I/O thread
+calls a backend (a batch a call where the backend takes batches, else a page at a time).
 """
 
 from __future__ import annotations
