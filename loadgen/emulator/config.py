@@ -51,6 +51,17 @@ class EmulatorConfig:
         return self.layers * self.page_bytes
 
     @property
+    def l3_dram_bytes(self) -> int:
+        """DRAM the tiered L3 holds of ``dram_bytes``: half for Mooncake's segment (a Mooncake deployment
+        is DRAM plus SSD; Mooncake raises a segment below 16 MiB to 16 MiB), none for the others."""
+        return self.dram_bytes // 2 if self.mode == "tiered" and self.l3 == "hicache-mooncake" else 0
+
+    @property
+    def host_tier_bytes(self) -> int:
+        """FlatCake's DRAM pool, or the tiered host tier (SGLang's host pool): the DRAM budget less the L3's."""
+        return self.dram_bytes - self.l3_dram_bytes
+
+    @property
     def preset(self) -> ModelPreset | None:
         return preset(self.model) if self.model else None
 

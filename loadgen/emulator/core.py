@@ -126,7 +126,7 @@ class Emulator:
         self.waiting: list[_Job] = []
         self.staging_tokens = 0
         self._passes = 0  # tiered: scheduling passes so far (SGLang paces lookup retries by them)
-        self.host_pool_tokens = max(1, cfg.dram_bytes // cfg.page_span) * cfg.page_tokens
+        self.host_pool_tokens = max(1, cfg.host_tier_bytes // cfg.page_span) * cfg.page_tokens
         self._io_queue: asyncio.Queue[_Job] | None = None
         # Placement accuracy (FlatCake): where each stored page went, and which were asked for again.
         self.placed: dict[str, str] = {}

@@ -57,7 +57,7 @@ class Storage:
             l3 = real_l3(cfg, root) if cfg.mode == "tiered" else None
             log_buckets = -(-cfg.ssd_bytes // bucket) if cfg.mode == "tiered" and l3 is None else 0
             self.tiered = TieredStore(root, layers=cfg.layers, page_bytes=cfg.page_bytes,
-                                      dram_pages=max(1, cfg.dram_bytes // cfg.page_span), bucket_bytes=bucket,
+                                      dram_pages=max(1, cfg.host_tier_bytes // cfg.page_span), bucket_bytes=bucket,
                                       buckets=log_buckets, workers=4, reader="whole_page", l3=l3)  # fmt: skip
 
     def media(self, keys: list[str]) -> list[str]:
@@ -173,7 +173,7 @@ def real_l3(cfg: EmulatorConfig, root: Path) -> PageStore | None:
     if cfg.l3 == "hicache-mooncake":
         from flatcake.loadgen.systems.mooncake import MooncakePages
 
-        return MooncakePages(root / "mooncake", cfg.layers, cfg.page_bytes)
+        return MooncakePages(root / "mooncake", cfg.layers, cfg.page_bytes, segment_bytes=cfg.l3_dram_bytes)
     return None
 
 

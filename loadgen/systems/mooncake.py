@@ -119,15 +119,26 @@ def _tail(path: Path, lines: int = 15) -> str:
 class MooncakeSystem:
     name = "mooncake"
 
-    def __init__(self, directory: Path, spec: SystemSpec) -> None:
+    def __init__(
+        self, directory: Path, spec: SystemSpec, *, segment_bytes: int | None = None, retry_refused: bool = True
+    ) -> None:
+        """``segment_bytes``: the DRAM segment (default: the others' DRAM budget, ``spec.dram_fraction``
+        of the pages stored). ``retry_refused``: retry puts refused for space until eviction makes room
+        (the store benchmarks: every page must land), or drop them as SGLang's backend does (an L3)."""
         self.span = spec.page_span
         self.flush_dram = spec.flush_dram
-        self.dram_bytes = int(spec.dram_fraction * spec.total_pages) * self.span  # the others' DRAM budget
-        if self.dram_bytes < MIN_SEGMENT:
-            raise ConfigError(
-                f"dram_fraction: {spec.dram_fraction} of {spec.total_pages} pages is a {self.dram_bytes} B DRAM "
-                f"segment; Mooncake's smallest is {MIN_SEGMENT} B (store more pages, or raise dram_fraction)"
-            )
+        self.retry_refused = retry_refused
+        if segment_bytes is None:
+            self.dram_bytes = int(spec.dram_fraction * spec.total_pages) * self.span  # the others' DRAM budget
+            if self.dram_bytes < MIN_SEGMENT:
+                raise ConfigError(
+                    f"dram_fraction: {spec.dram_fraction} of {spec.total_pages} pages is a {self.dram_bytes} B "
+                    f"DRAM segment; Mooncake's smallest is {MIN_SEGMENT} B (store more pages, or raise dram_fraction)"
+                )
+        elif segment_bytes < MIN_SEGMENT:
+            raise ConfigError(f"segment_bytes: {segment_bytes} B is below Mooncake's smallest segment, {MIN_SEGMENT} B")
+        else:
+            self.dram_bytes = -(-segment_bytes // self.span) * self.span  # whole pages, never below the minimum
         self.dram_pages = self.dram_bytes // self.span
         # A bucket's keys stay in DRAM until it is full: at most an eighth of the segment.
         self.bucket_keys = max(1, min(BUCKET_KEYS, self.dram_pages // 8))
@@ -140,12 +151,13 @@ class MooncakeSystem:
         self._registered = False
         self._stored: set[str] = set()
         self._fillers = 0
-        self.refused_puts = 0  # puts refused for space, then retried
+        self.refused_puts = 0  # puts refused for space (then retried, or dropped: see retry_refused)
         self.failed_puts = 0  # pages Mooncake did not store (another error, or no room in STALL_TIMEOUT_S)
         self.flush_seconds = 0.0  # the last prepare()'s wait for offload to settle
         self.flushed = True  # whether the last prepare() reached its goal
         session_pages = max(1, -(-spec.session_bytes // self.span))
         self.staging = aligned_empty((session_pages, spec.layers, spec.page_bytes))
+        self._extra: list[Array] = []  # more registered buffers (register())
         self._c = RestoreCounters()
         self._hits_base = 0.0
         os.environ.update(CLIENT_ENV)
@@ -229,6 +241,17 @@ class MooncakeSystem:
             raise RuntimeError(f"mooncake: register_buffer of {self.staging.nbytes} B failed ({code})")
         self._registered = True
 
+    def register(self, pages: int) -> Array:
+        """Another registered page-major buffer of ``pages`` pages, for a second caller that must not
+        share ``staging`` (SGLang registers its whole host pool: its prefetch and backup threads read
+        and write it concurrently)."""
+        buffer = aligned_empty((pages, *self.staging.shape[1:]))
+        code = self._store.register_buffer(buffer.ctypes.data, buffer.nbytes)
+        if code != 0:
+            raise RuntimeError(f"mooncake: register_buffer of {buffer.nbytes} B failed ({code})")
+        self._extra.append(buffer)
+        return buffer
+
     def pids(self) -> list[int]:
         return [self._master.pid] if self._master is not None and self._master.poll() is None else []
 
@@ -244,10 +267,10 @@ class MooncakeSystem:
         return out
 
     # ---- writes ----------------------------------------------------------------------------------
-    def _put_staged(self, names: list[str], slots: list[int]) -> list[str]:
-        """``batch_put_from`` staged pages, retrying those refused for space until eviction makes
-        room; returns the names stored."""
-        base, stored = self.staging.ctypes.data, []
+    def _put_staged(self, names: list[str], slots: list[int], buffer: Array | None = None) -> list[str]:
+        """``batch_put_from`` pages staged in ``buffer`` (default ``staging``), retrying those refused
+        for space until eviction makes room (unless ``retry_refused`` is off); returns the names stored."""
+        base, stored = (self.staging if buffer is None else buffer).ctypes.data, []
         pending = list(zip(names, slots, strict=True))
         stalled_since, backoff = time.monotonic(), 0.005
         while pending:
@@ -262,6 +285,10 @@ class MooncakeSystem:
                     retry.append(item)
                 else:
                     self.failed_puts += 1
+            if not self.retry_refused:  # dropped, as SGLang's backend drops what a batch_set did not store
+                self.refused_puts += len(retry)
+                pending = pending[len(batch) :]
+                continue
             pending = retry + pending[len(batch) :]
             if len(retry) < len(batch):
                 stalled_since, backoff = time.monotonic(), 0.005
@@ -277,18 +304,20 @@ class MooncakeSystem:
     def put(self, keys: Sequence[Key], kv: Array, hints: Hints) -> None:
         self.store_pages(keys, kv)
 
-    def store_pages(self, keys: Sequence[Key], kv: Array) -> list[bool]:
-        """One object per page: skip the stored ones (``batch_is_exist``), stage the rest page-major,
-        ``batch_put_from`` them (SGLang's ``batch_set_v1``). Returns which keys are stored now."""
+    def store_pages(self, keys: Sequence[Key], kv: Array, buffer: Array | None = None) -> list[bool]:
+        """One object per page: skip the stored ones (``batch_is_exist``), stage the rest page-major in
+        ``buffer`` (default ``staging``), ``batch_put_from`` them (SGLang's ``batch_set_v1``). Returns
+        which keys are stored now."""
+        staging = self.staging if buffer is None else buffer
         names = [str(k) for k in keys]
         exists = self._store.batch_is_exist(names) if names else []
         stored = {n for n, e in zip(names, exists, strict=True) if e == 1}
         new = [i for i, e in enumerate(exists) if e != 1]
-        room = self.staging.shape[0]
+        room = staging.shape[0]
         for lo in range(0, len(new), room):
             chunk = new[lo : lo + room]
-            self.staging[: len(chunk)] = kv[:, chunk].transpose(1, 0, 2)
-            put = self._put_staged([names[i] for i in chunk], list(range(len(chunk))))
+            staging[: len(chunk)] = kv[:, chunk].transpose(1, 0, 2)
+            put = self._put_staged([names[i] for i in chunk], list(range(len(chunk))), staging)
             self._stored.update(put)
             stored.update(put)
         return [n in stored for n in names]
@@ -381,13 +410,14 @@ class MooncakeSystem:
         c.requests.append(RequestTiming(storage_s, storage_s))  # a whole request: its first layer with its last
         return missing
 
-    def get_staged(self, names: Sequence[str]) -> npt.NDArray[np.bool_]:
-        """``batch_get_into`` the first ``len(names)`` pages of the staging buffer, ``BATCH`` pages a call
-        (SGLang's ``batch_get_v1``); which arrived."""
+    def get_staged(self, names: Sequence[str], buffer: Array | None = None) -> npt.NDArray[np.bool_]:
+        """``batch_get_into`` the first ``len(names)`` pages of ``buffer`` (default ``staging``),
+        ``BATCH`` pages a call (SGLang's ``batch_get_v1``); which arrived."""
         c, got = self._c, np.zeros(len(names), dtype=bool)
+        base = (self.staging if buffer is None else buffer).ctypes.data
         for b in range(0, len(names), BATCH):
             part = names[b : b + BATCH]
-            ptrs = [self.staging.ctypes.data + (b + i) * self.span for i in range(len(part))]
+            ptrs = [base + (b + i) * self.span for i in range(len(part))]
             results = self._store.batch_get_into(part, ptrs, [self.span] * len(part))
             c.read_commands += 1
             for i, r in enumerate(results):
@@ -414,6 +444,9 @@ class MooncakeSystem:
             if self._registered:
                 store.unregister_buffer(self.staging.ctypes.data)
                 self._registered = False
+            for buffer in self._extra:
+                store.unregister_buffer(buffer.ctypes.data)
+            self._extra.clear()
             store.close()
             del store  # its destructor unmounts and stops the offload threads, while the master is up
         master, self._master = self._master, None
@@ -435,18 +468,21 @@ class MooncakePages:
     hicache-mooncake``): SGLang HiCache over its Mooncake backend. Pages go through ``MooncakeSystem``
     (a real master and embedded client) with the calls that backend makes, ``STORAGE_BATCH_SIZE`` pages
     a call: ``batch_is_exist`` + ``batch_put_from`` to write (``batch_set_v1``), ``batch_get_into`` to
-    read (``batch_get_v1``). The DRAM segment is Mooncake's smallest (16 MiB), so the L3 lives on its SSD
-    offload: the DRAM budget is the host tier's, as for every other system. Calls are serialized (one
-    registered staging buffer): SGLang makes them from its one prefetch and one backup thread."""
+    read (``batch_get_v1``); a put refused for space is dropped, as that backend reports it failed and
+    HiCache does not retry it (``refused_puts``). ``segment_bytes`` is Mooncake's DRAM segment (the
+    emulator gives it half the DRAM budget, the host tier the other half: a Mooncake deployment is
+    DRAM plus SSD). Reads and writes have a registered buffer each and run concurrently, as SGLang's
+    prefetch and backup threads do over its registered host pool."""
 
-    def __init__(self, directory: Path, layers: int, page_bytes: int) -> None:
+    def __init__(self, directory: Path, layers: int, page_bytes: int, segment_bytes: int = MIN_SEGMENT) -> None:
         span = layers * page_bytes
-        segment_pages = -(-MIN_SEGMENT // span)
         spec = SystemSpec(layers=layers, page_bytes=page_bytes, page_tokens=1, sessions=1, session_bytes=BATCH * span,
-                          dram_fraction=(segment_pages + 0.5) / BATCH, flush_dram=False)  # fmt: skip
-        self.system = MooncakeSystem(directory, spec)
+                          flush_dram=False)  # fmt: skip
+        self.system = MooncakeSystem(directory, spec, segment_bytes=max(segment_bytes, MIN_SEGMENT),
+                                     retry_refused=False)  # fmt: skip
         self.layers, self.page_bytes = layers, page_bytes
-        self._lock = threading.Lock()
+        self._read, self._write = self.system.staging, self.system.register(BATCH)
+        self._read_lock, self._write_lock = threading.Lock(), threading.Lock()
 
     def set(self, key: Key, page: Array) -> bool:
         return self.set_many([key], [page]) == [True]
@@ -456,16 +492,16 @@ class MooncakePages:
 
     def set_many(self, keys: Sequence[Key], pages: Sequence[Array]) -> list[bool]:
         kv = np.stack([np.asarray(p).reshape(self.layers, self.page_bytes) for p in pages], axis=1)
-        with self._lock:
-            return self.system.store_pages(keys, kv)
+        with self._write_lock:
+            return self.system.store_pages(keys, kv, self._write)
 
     def get_many(self, keys: Sequence[Key], into: Sequence[Array]) -> list[bool]:
-        staging, ok = self.system.staging, []
-        with self._lock:
-            for lo in range(0, len(keys), BATCH):  # the staging buffer holds BATCH pages
-                got = self.system.get_staged([str(k) for k in keys[lo : lo + BATCH]])
+        ok: list[bool] = []
+        with self._read_lock:
+            for lo in range(0, len(keys), BATCH):  # the read buffer holds BATCH pages
+                got = self.system.get_staged([str(k) for k in keys[lo : lo + BATCH]], self._read)
                 for i in np.flatnonzero(got).tolist():
-                    into[lo + i].reshape(self.layers, self.page_bytes)[...] = staging[i]
+                    into[lo + i].reshape(self.layers, self.page_bytes)[...] = self._read[i]
                 ok += got.tolist()
         return ok
 
