@@ -37,7 +37,8 @@ REGISTRY: tuple[SystemName, ...] = (
     SystemName("hicache-file", "SGLang 0.5.23's own HiCacheFile (one file per page) as the storage backend or "
                "L3; needs the sglang extra", ("peers", "e2e")),
     SystemName("hicache-mooncake", "SGLang HiCache's rules over Mooncake Store as L3 (a real master and client, "
-               "SGLang's Mooncake backend's batch calls, its SSD offload; 16 MiB segment); needs the peers extra",
+               "SGLang's Mooncake backend's batch calls, its SSD offload; half the DRAM budget is its segment); "
+               "needs the peers extra",
                ("e2e",)),
     SystemName("mooncake", "Mooncake Store: a master, a DRAM segment, SSD offload", ("peers", "context")),
     SystemName("dram", "SGLang HiCache's host tier alone (no storage below it)", ("e2e", "simulate")),

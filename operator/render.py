@@ -147,6 +147,7 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
             "streams": spec.streams,
         },
         "placement": {
+            "mode": spec.placement_mode,
             "agent_context_tokens": spec.agent_context_tokens,
             "agent_reply_tokens": spec.agent_reply_tokens,
             "short_reply_tokens": spec.short_reply_tokens,
@@ -199,6 +200,7 @@ SPEC_FIELDS = {
     "io.staging_layers": "spec.io.stagingLayers",
     "io.staging_slot_bytes": "spec.io.stagingSlotBytes",
     "io.streams": "spec.io.streams",
+    "placement.mode": "spec.placement.mode",
     "placement.agent_context_tokens": "spec.placement.agentContextTokens",
     "placement.agent_reply_tokens": "spec.placement.agentReplyTokens",
     "placement.short_reply_tokens": "spec.placement.shortReplyTokens",

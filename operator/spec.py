@@ -160,6 +160,7 @@ class CacheSpec:
     file_count: int
     high_watermark: float
     low_watermark: float
+    placement_mode: str
     agent_context_tokens: int
     agent_reply_tokens: int
     short_reply_tokens: int
@@ -240,6 +241,7 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
         file_count=r.get("ssd.fileCount", int),
         high_watermark=r.get("ssd.highWatermark", float),
         low_watermark=r.get("ssd.lowWatermark", float),
+        placement_mode=r.get("placement.mode", str, "table2"),
         agent_context_tokens=r.get("placement.agentContextTokens", int),
         agent_reply_tokens=r.get("placement.agentReplyTokens", int),
         short_reply_tokens=r.get("placement.shortReplyTokens", int),

@@ -109,6 +109,24 @@ def test_spec_fields_table_maps_engine_fields_to_crd_fields() -> None:
 
 
 @pytest.mark.unit
+def test_the_crds_enums_are_the_engines_choices_and_adaptive_placement_reaches_the_agent() -> None:
+    from flatcake.node_agent.constants import PLACEMENT_MODES, SCHEDULER_POLICIES
+    from tests.support.kube_api import crd_schema
+
+    props = crd_schema("flatcake.io", "flatcakecaches")["properties"]["spec"]["properties"]
+    assert tuple(props["placement"]["properties"]["mode"]["enum"]) == PLACEMENT_MODES
+    assert tuple(props["scheduler"]["properties"]["policy"]["enum"]) == SCHEDULER_POLICIES
+    assert render.engine_config(parse_spec(spec()), CACHE)["placement"]["mode"] == "table2"
+    rendered = render.engine_config(parse_spec(spec(placement={"mode": "adaptive"})), CACHE)
+    render.check_engine_config(rendered)
+    assert rendered["placement"]["mode"] == "adaptive"
+    stale = spec()  # admitted before the schema had the enum: the engine's check names the spec field
+    stale["placement"]["mode"] = "lru"
+    with pytest.raises(SpecError, match=r"^spec\.placement\.mode: .*table2, adaptive"):
+        render.check_engine_config(render.engine_config(parse_spec(stale), CACHE))
+
+
+@pytest.mark.unit
 def test_node_fit_checks_hugepages_and_filesystem() -> None:
     parsed = parse_spec(spec(dram={"size": "2Gi"}))
     with pytest.raises(SpecError, match="spec.dram.size.*node-a.*hugepages-2Mi"):
@@ -164,7 +182,7 @@ def test_destructive_changes() -> None:
         return [c.field for c in found]
 
     assert with_() == []
-    assert with_(io={"gapBytes": 0}, placement={"agentContextTokens": 1000}) == []
+    assert with_(io={"gapBytes": 0}, placement={"agentContextTokens": 1000, "mode": "adaptive"}) == []
     assert with_(ssd={"devices": ["/dev/nvme0n1"], "fileCount": 128}) == []  # growing is safe
     assert with_(ssd={"devices": ["/dev/nvme1n1"]}) == ["spec.ssd.devices"]
     assert with_(ssd={"directory": "/data"}) == ["spec.ssd"]
