@@ -462,6 +462,10 @@ class Agent:
             except OSError as exc:  # a full disk: the old journal stays in use; retried after as much growth
                 journal.compact_errors += 1
                 log.error("journal %s: online compaction failed, keeping the journal as it is: %s", journal.path, exc)
+            except Exception:  # a bug: counted and logged whole; the thread lives on for the next due compaction
+                journal.compact_errors += 1
+                log.exception("journal %s: online compaction failed unexpectedly, keeping the journal as it is",
+                              journal.path)  # fmt: skip
 
     def close(self) -> None:
         self._stopping.set()

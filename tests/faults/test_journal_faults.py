@@ -234,3 +234,44 @@ def test_a_full_disk_during_compaction_keeps_the_old_journal(tmp_path: Path) -> 
             b.stop()
         filler.unlink()
         assert not (pool / "journal.tmp").exists()
+
+
+def test_an_unexpected_compaction_error_is_counted_and_the_compactor_keeps_serving(
+    agent_thread: Callable[..., AgentThread], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Online compaction that fails with something other than an OSError (a bug) is counted and logged,
+    the journal stays as it was, and the next due compaction runs: the compactor thread did not die."""
+    from tests.support.waiting import wait_until
+
+    a = agent_thread(files=64, file_bytes=4 * 4 * 4096, dram_bytes=128 * 4 * 4096,
+                     agent={"journal_compact_bytes": 4096, "journal_compact_ratio": 1.1})  # fmt: skip
+    journal, catalog = a.agent.journal, a.agent.catalog
+    assert journal is not None
+    real, calls = catalog.compact_journal, {"n": 0}
+
+    def broken_once() -> bool:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected: a bug in compaction")
+        return real()
+
+    monkeypatch.setattr(catalog, "compact_journal", broken_once)
+    before = journal.compactions
+    acknowledged: list[str] = []
+    with connect(a.socket) as e:
+        for i in range(400):  # puts until a second due compaction has run (bounded: none would fail)
+            keys = [f"c{i}-{j}" for j in range(2)]
+            put(e, keys, SSD)
+            acknowledged += keys
+            if journal.compact_errors and journal.compactions > before:
+                break
+    assert journal.compact_errors == 1, "the injected error was not counted"
+    wait_until(lambda: journal.compactions > before, what="a compaction after the failed one")
+    assert a.agent.journal_errors()["compact"] == 1  # what the agent reports (stats, flatcake_journal_errors)
+    config = a.config
+    a.stop()
+    b = AgentThread(config)
+    try:
+        assert audit(config, acknowledged, expect(config), what="a compaction bug") == (0, 0)
+    finally:
+        b.stop()
