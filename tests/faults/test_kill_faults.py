@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,5 +92,56 @@ def test_kill_9_in_a_put_storm_on_a_filled_pool_restarts_within_the_goal(tmp_pat
         wait_until(lambda: conn.call("stats")["recovered"]["scan_done"], what="the background scan", timeout=600)
         assert conn.call("stats")["recovered"]["dropped_pages"] == 0
         conn.close()
+    finally:
+        stop_agent(agent)
+
+
+def test_kill_9_while_the_journal_compacts_online_repeatedly(tmp_path: Path) -> None:
+    """Issue 29 item 5: compaction thresholds so low that the journal is compacted online many times a
+    second under two writers (snapshot, tail copy, rename), then kill -9, four times over. After each
+    restart every acknowledged key is served bit-exact, and no space is held by anything but the pages
+    the journal names (what a kill mid-compaction could leak)."""
+    from flatcake.node_agent.service.client import AgentConnection
+
+    config = small_config(tmp_path / "node", files=1024, file_bytes=10 * 4 * 4096, dram_bytes=4096 * 4 * 4096,
+                          agent={"journal_compact_bytes": 4096, "journal_compact_ratio": 1.05})  # fmt: skip
+    span = config.layers * config.page_bytes
+    published: set[str] = set()
+
+    def stats() -> dict[str, Any]:
+        conn = AgentConnection(config.agent.socket)
+        try:
+            conn.call("register")
+            answer: dict[str, Any] = conn.call("stats")
+            return answer
+        finally:
+            conn.close()
+
+    def no_leak(what: str) -> None:
+        usage = stats()["usage"]
+        for medium in ("dram", "ssd"):
+            assert usage[medium]["used_bytes"] == usage[medium]["pages"] * span, (what, medium, usage[medium])
+
+    for cycle in range(4):
+        agent = start_agent(config, tmp_path)
+        if published:
+            lost_wrong = audit(config, sorted(published), lambda k: page_bytes_for(k, 4, 4096), what=f"cycle {cycle}")
+            assert lost_wrong == (0, 0)
+            no_leak(f"cycle {cycle}")
+        compactions = stats()["journal_compactions"]
+        logs = [tmp_path / f"k{cycle}-w{i}.log" for i in range(2)]
+        writers = [client(config, log, 600, 300 + 10 * cycle + i) for i, log in enumerate(logs)]
+        # Several online compactions into this cycle's storm, then the kill lands wherever one is.
+        wait_until(lambda logs=logs, c=compactions: stats()["journal_compactions"] >= c + 5
+                   and sum(len(read_log(x)[1]) for x in logs) >= 30, what="compactions under the storm")  # fmt: skip
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(10)
+        assert [w.wait(30) for w in writers] == [3, 3]
+        for log in logs:
+            published |= read_log(log)[1]
+    agent = start_agent(config, tmp_path)
+    try:
+        assert audit(config, sorted(published), lambda k: page_bytes_for(k, 4, 4096), what="after 4 kills") == (0, 0)
+        no_leak("after 4 kills")
     finally:
         stop_agent(agent)
