@@ -201,6 +201,7 @@ GOALS: dict[str, tuple[str, float] | None] = {
     "publish_4096_p50_ms_1c": None,
     "publish_4096_p50_ms_8c": ("<=", 5.0),
     "usable_capacity_fraction": (">=", 0.95),
+    "usable_capacity_fraction_at_defaults": None,  # reclaim begins at the default high watermark, by design
     "restart_to_serving_s_4g": ("<=", 10.0),
     "restart_to_serving_s_16g": ("<=", 10.0),
     "restart_full_verify_bytes_per_s": None,
@@ -251,14 +252,16 @@ def index_memory(keys: int, scope_pages: int, root: Path) -> dict[str, Any]:
             "bytes_per_key": (python_bytes + shared) / keys}  # fmt: skip
 
 
-def usable_capacity(root: Path) -> dict[str, Any]:
+def usable_capacity(root: Path, watermarks: tuple[float, float] | None = (1.0, 1.0)) -> dict[str, Any]:
     """Fill a small pool with one-page scopes through the engine (real writes) until a put has to
-    reclaim; stored bytes / pool bytes."""
+    reclaim; stored bytes / pool bytes. ``watermarks`` (high, low): (1.0, 1.0) measures what the
+    allocator can fill; None keeps the defaults (reclaim starts at the high watermark)."""
+    high, low = watermarks or (SsdConfig.high_watermark, SsdConfig.low_watermark)
     cfg = EngineConfig(
         layers=8, page_bytes=16384,
         dram=DramConfig(bytes=0, huge_pages=False, shm_dir=str(root), name="bench-capacity"),
-        ssd=SsdConfig(dir=str(root / "pool"), file_bytes=4 << 20, file_count=8, high_watermark=1.0,
-                      low_watermark=1.0),
+        ssd=SsdConfig(dir=str(root / "pool"), file_bytes=4 << 20, file_count=8, high_watermark=high,
+                      low_watermark=low),
         io=IOConfig(backend="posix"),
     )  # fmt: skip
     pool_bytes = cfg.ssd.file_bytes * cfg.ssd.file_count
@@ -278,7 +281,7 @@ def usable_capacity(root: Path) -> dict[str, Any]:
         scopes = engine.usage()["ssd"]["scopes"]
     span = cfg.layers * cfg.page_bytes
     return {"pool_bytes": pool_bytes, "page_bytes": span, "one_page_scopes": stored, "scopes_held": scopes,
-            "fraction": stored * span / pool_bytes}  # fmt: skip
+            "high_watermark": high, "fraction": stored * span / pool_bytes}  # fmt: skip
 
 
 def _restart_config(root: Path, fill_bytes: int) -> EngineConfig:
@@ -393,6 +396,7 @@ def run(cfg: AgentBenchConfig, log: Callable[[str], None] = print) -> dict[str, 
         if "capacity" in cfg.parts:
             log("capacity: filling a pool with one-page scopes ...")
             extra["capacity"] = usable_capacity(root / "capacity")
+            extra["capacity_at_defaults"] = usable_capacity(root / "capacity-defaults", None)
         if "index" in cfg.parts:
             log(f"index: {cfg.index_keys:,} keys in {cfg.index_scope_pages}-page scopes ...")
             extra["index"] = index_memory(cfg.index_keys, cfg.index_scope_pages, root / "index")
@@ -417,6 +421,7 @@ def run(cfg: AgentBenchConfig, log: Callable[[str], None] = print) -> dict[str, 
     }  # fmt: skip
     if "capacity" in extra:
         summary["usable_capacity_fraction"] = extra["capacity"]["fraction"]
+        summary["usable_capacity_fraction_at_defaults"] = extra["capacity_at_defaults"]["fraction"]
     if "restart" in extra:
         for suffix, r in zip(("4g", "16g"), extra["restart"], strict=False):
             summary[f"restart_to_serving_s_{suffix}"] = r["restart_to_serving_s"]

@@ -38,6 +38,9 @@ def test_quick_mode_reports_every_summary_field_with_sane_values() -> None:
     for name in ("lookup_4096_p99_ms_1c", "lookup_4096_p99_ms_8c", "publish_4096_p50_ms_1c", "publish_4096_p50_ms_8c"):
         assert 0 < s[name] < 60_000
     assert 0.9 <= s["usable_capacity_fraction"] <= 1.0  # one-page scopes share files: nearly all of the pool
+    # At the default watermarks the first reclaim comes at the high watermark (0.9): just below it, never above.
+    high = report["capacity_at_defaults"]["high_watermark"]
+    assert high < 1.0 and high - 0.05 <= s["usable_capacity_fraction_at_defaults"] <= high
     assert report["capacity"]["one_page_scopes"] == report["capacity"]["scopes_held"] > 8  # more scopes than files
     for r, size in zip(report["restart"], cfg.restart_bytes, strict=True):
         assert r["stored_bytes"] == size and r["scan_done"] and r["dropped_pages"] == 0
