@@ -134,6 +134,9 @@ class AgentConfig:
     # read of a scope not yet checked (recovery itself reads no page: restart is O(journal records)).
     verify_on_recovery: bool = True
     max_clients: int = 1024  # control connections at once; more are answered `busy` and closed
+    # Control connections one process (the socket peer's pid) may hold, so that no client can take every
+    # slot from the others; an SGLang or vLLM rank keeps one or two.
+    max_clients_per_process: int = 64
     frame_timeout_s: float = 10.0  # a started frame must arrive whole, and a new connection register, within it
     idle_timeout_s: float = 0.0  # close a registered client silent this long (0: never; clients stay connected)
     frame_budget_bytes: int = 64 * MiB  # request bytes being received across all connections
@@ -225,7 +228,7 @@ class EngineConfig:
         if not 0 <= self.agent.metrics_port <= 65535:
             raise ConfigError(f"agent.metrics_port: {self.agent.metrics_port} is not a TCP port (0 picks a free one)")
         _positive(self.agent, "journal_fsync_ms", "journal_compact_bytes", "http_max_connections", "max_clients",
-                  prefix="agent.")  # fmt: skip
+                  "max_clients_per_process", prefix="agent.")  # fmt: skip
         if not self.agent.journal_compact_ratio > 1:
             raise ConfigError(f"agent.journal_compact_ratio: {self.agent.journal_compact_ratio} must be > 1 (growth "
                               "over the compacted size that triggers a compaction; default 2)")  # fmt: skip

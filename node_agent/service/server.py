@@ -17,7 +17,9 @@ import logging
 import operator
 import platform
 import signal
+import socket
 import stat
+import struct
 import threading
 import time
 from collections import Counter
@@ -49,11 +51,15 @@ from flatcake.node_agent.service import protocol as P
 log = logging.getLogger(__name__)
 
 JOURNAL = "journal.log"
+# A request frame this small is read without taking agent.frame_budget_bytes: the reader's own buffer
+# holds about as much (asyncio's default limit), so the budget only has large frames to bound.
+SMALL_FRAME = 64 * 1024
 
 
 @dataclass(eq=False)
 class Session:
     id: int
+    pid: int = 0  # the socket peer's process (SO_PEERCRED); 0 when the platform does not say
     registered: bool = False
     allocs: set[int] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)
@@ -326,8 +332,18 @@ class Agent:
                 await asyncio.wait_for(writer.drain(), a.frame_timeout_s)
             writer.close()
             return
+        pid = _peer_pid(writer)
+        if pid and sum(1 for s in self.sessions.values() if s.pid == pid) >= a.max_clients_per_process:
+            self.dropped["busy"] += 1
+            with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+                writer.write(P.pack(P.error(0, P.BUSY, f"process {pid} holds agent.max_clients_per_process="
+                                            f"{a.max_clients_per_process} connections already; reuse one or close "
+                                            "some")))  # fmt: skip
+                await asyncio.wait_for(writer.drain(), a.frame_timeout_s)
+            writer.close()
+            return
         self._next_session += 1
-        session = self.sessions[self._next_session] = Session(self._next_session)
+        session = self.sessions[self._next_session] = Session(self._next_session, pid)
         self._writers.add(writer)
         try:
             while True:
@@ -358,6 +374,9 @@ class Agent:
                     self.latency.labels(op).observe(time.perf_counter() - started)
                 # A client that stops reading its replies is cut off rather than buffered for.
                 await asyncio.wait_for(writer.drain(), a.frame_timeout_s)
+                # Pipelined frames already buffered are read without suspending: yield after each reply
+                # so that one flooding client takes turns with the others instead of holding the loop.
+                await asyncio.sleep(0)
         except TimeoutError:
             self.dropped["frame_timeout"] += 1
             log.warning("client %d: a frame or reply did not move within agent.frame_timeout_s=%s; closed",
@@ -381,8 +400,11 @@ class Agent:
     async def _receive(self, reader: asyncio.StreamReader, length: int) -> bytes:
         """One frame body. The bytes being received across all connections stay within
         agent.frame_budget_bytes (a frame waits for room), and a frame must arrive within
-        agent.frame_timeout_s: slow senders cannot pile up buffers."""
+        agent.frame_timeout_s: slow senders cannot pile up buffers. Small frames (lookups, leases,
+        publishes of a few keys) take no budget, so large frames that stall cannot hold them up."""
         a = self.config.agent
+        if length <= SMALL_FRAME:  # bounded by the connections (max_clients x SMALL_FRAME), never queued
+            return await asyncio.wait_for(reader.readexactly(length), a.frame_timeout_s)
         if self._frame_room is None:
             self._frame_room = asyncio.Condition()
         room = self._frame_room
@@ -488,6 +510,16 @@ Handler = Callable[[Agent, Session, dict[str, Any]], Any]
 OPS: dict[str, Handler] = {
     name.removeprefix("op_"): getattr(Agent, name) for name in vars(Agent) if name.startswith("op_")
 }
+
+
+def _peer_pid(writer: asyncio.StreamWriter) -> int:
+    """The connected process's pid (Linux SO_PEERCRED), or 0 where the socket does not say."""
+    sock = writer.get_extra_info("socket")
+    try:
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (AttributeError, OSError):
+        return 0
+    return int(pid)
 
 
 def _remove_stale_socket(path: Path) -> None:
