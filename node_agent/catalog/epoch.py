@@ -5,15 +5,29 @@ allocated before an agent restart could otherwise finish its write afterwards, i
 agent has handed to someone else. Instead it reads the epoch just before writing and refuses
 (``FencedError``) when the agent has restarted since; the agent refuses to publish an allocation of
 another epoch for the same reason.
+
+A write that passed that check and is still in flight when the agent restarts is fenced too: each
+write holds the epoch file shared (``flock``) from its check to its last byte (``writing``), and a new
+agent takes it exclusively before it raises the epoch (``advance``), so it begins only once the
+previous epoch's writes have landed; no later allocation can be overwritten by one. A write that
+does not finish within ``wait_s`` (a hung device) is logged and the agent starts anyway: the
+read-side checksums are then the only guard.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
 import os
 import struct
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from flatcake.node_agent.catalog.files import fsync_dir, share_fd
+
+log = logging.getLogger(__name__)
 
 EPOCH_FILE = "epoch"
 _EPOCH = struct.Struct("<Q")
@@ -26,25 +40,68 @@ def current(directory: str | os.PathLike[str]) -> int:
     except FileNotFoundError:
         return 0
     try:
-        raw = os.pread(fd, _EPOCH.size, 0)
+        return _read(fd)
     finally:
         os.close(fd)
+
+
+def _read(fd: int) -> int:
+    raw = os.pread(fd, _EPOCH.size, 0)
     return _EPOCH.unpack(raw)[0] if len(raw) == _EPOCH.size else 0
 
 
-def advance(directory: str | os.PathLike[str], gid: int = -1) -> int:
-    """Start a new epoch (one past the stored one) and make it durable; returns it. Written in place
+@contextlib.contextmanager
+def writing(directory: str | os.PathLike[str]) -> Iterator[int]:
+    """Hold the epoch for one write: yields the epoch now (0: no agent has started), and no new agent
+    begins its epoch until the block has ended. One open file a call: ``flock`` belongs to the open
+    file, so threads sharing one would release each other's hold."""
+    try:
+        fd = os.open(Path(directory) / EPOCH_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        yield 0
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield _read(fd)
+    finally:
+        os.close(fd)  # releases the hold
+
+
+def advance(directory: str | os.PathLike[str], gid: int = -1, wait_s: float = 30.0) -> int:
+    """Start a new epoch (one past the stored one) and make it durable; returns it. Waits (up to
+    ``wait_s``) for the writes of the previous epoch that are still in flight. Written in place
     (8 bytes, one sector) so a reader never sees the file missing."""
     path = Path(directory) / EPOCH_FILE
-    epoch = current(directory) + 1
     created = not path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o660)
     try:
         share_fd(fd, gid)
+        _exclusive(fd, path, wait_s)
+        epoch = _read(fd) + 1
         os.pwrite(fd, _EPOCH.pack(epoch), 0)
         os.fsync(fd)
     finally:
-        os.close(fd)
+        os.close(fd)  # releases the lock: writers from here on see the new epoch
     if created:
         fsync_dir(path.parent)
     return epoch
+
+
+def _exclusive(fd: int, path: Path, wait_s: float) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    log.warning("epoch %s: waiting up to %.0f s for the previous agent's writes in flight to land", path, wait_s)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            log.info("epoch %s: the previous agent's writes have landed", path)
+            return
+        except BlockingIOError:
+            continue
+    log.error("epoch %s: writes of the previous agent still in flight after %.0f s (a hung device?); starting "
+              "anyway: a page they overwrite is caught by its checksum when read", path, wait_s)  # fmt: skip

@@ -190,8 +190,10 @@ class Engine:
             pages = aligned_empty((self.config.layers, len(new), self.config.page_bytes))
             pages[...] = kv[:, new]
         try:
-            self._fence(alloc)
-            self._write(alloc, pages)
+            # An agent's allocation: held against a restart from the epoch check to the last byte.
+            with E.writing(self.config.ssd.dir) if alloc.epoch else contextlib.nullcontext(0) as now:
+                self._fence(alloc, now)
+                self._write(alloc, pages)
         except FencedError:
             with contextlib.suppress(FlatCakeError, ConnectionError, OSError):  # the old agent is gone
                 self.catalog.abort(alloc.id)
@@ -208,10 +210,11 @@ class Engine:
         self.stats.add("write_bytes_logical", pages.nbytes)
         return PutResult(len(new), len(keys) - len(new), alloc.medium, alloc.reason)
 
-    def _fence(self, alloc: Allocation) -> None:
-        """Refuse to write space allocated by an agent that has since restarted: the new agent may
-        have given it to another writer, whose published pages these bytes would overwrite."""
-        if alloc.epoch and (now := E.current(self.config.ssd.dir)) != alloc.epoch:
+    def _fence(self, alloc: Allocation, now: int) -> None:
+        """Refuse to write space allocated by an agent that has since restarted (the epoch is ``now``):
+        the new agent may have given it to another writer, whose published pages these bytes would
+        overwrite."""
+        if alloc.epoch and now != alloc.epoch:
             self.stats.add("fenced_writes")
             raise FencedError(
                 f"epoch: allocation {alloc.id} was made in agent epoch {alloc.epoch}, the agent is now in epoch "

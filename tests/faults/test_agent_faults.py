@@ -95,6 +95,61 @@ def test_a_writer_that_allocated_before_a_restart_is_refused_after_it(tmp_path: 
         agents[-1].stop()
 
 
+@pytest.mark.parametrize("hints", [SSD, DRAM], ids=["ssd", "dram"])
+def test_a_write_in_flight_at_a_restart_lands_before_the_new_epoch_begins(
+    tmp_path: Path, hints: Hints, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 29 item 2: a writer passed the epoch check, then the agent restarts while its bytes are
+    still on their way. The new agent waits for them before it raises the epoch, so they cannot land
+    over space it has since given to another writer: that writer's pages read back bit-exact."""
+    config = small_config(tmp_path / "node", files=4, dram_bytes=4 * 4 * 4096)
+    agents = [AgentThread(config)]
+    stale = connect(config.agent.socket)
+    real_write, started, release = stale._write, threading.Event(), threading.Event()
+    landed: dict[str, int] = {}
+
+    def slow_write(alloc: object, pages: np.ndarray) -> None:
+        started.set()
+        assert release.wait(60), "the test never released the write in flight"
+        pages[...] = 0xEE  # what the stale writer's bytes look like where they land
+        real_write(alloc, pages)  # type: ignore[arg-type]
+        landed["epoch"] = E.current(config.ssd.dir)
+
+    stale._write = slow_write  # type: ignore[method-assign]
+    outcome: dict[str, BaseException | None] = {}
+
+    def stale_put() -> None:
+        try:
+            put(stale, ["stale-0", "stale-1"], hints)
+            outcome["error"] = None
+        except BaseException as exc:  # the old agent is gone: its publish cannot succeed
+            outcome["error"] = exc
+
+    writer = threading.Thread(target=stale_put)
+    writer.start()
+    assert started.wait(30), "the stale writer never reached its write"
+    old_epoch = agents[0].agent.epoch
+    agents[0].stop()
+    caplog.set_level("INFO", logger="flatcake.node_agent.catalog.epoch")
+    restarting = threading.Thread(target=lambda: agents.append(AgentThread(config)))
+    restarting.start()
+    try:
+        wait_until(lambda: "waiting up to" in caplog.text, what="the new agent to wait for the write in flight")
+        assert E.current(config.ssd.dir) == old_epoch  # not raised while the write is on its way
+        release.set()
+        writer.join(30)
+        restarting.join(60)
+        assert landed["epoch"] == old_epoch  # the stale bytes landed inside the old epoch
+        assert outcome["error"] is not None and len(agents) == 2 and agents[1].agent.epoch == old_epoch + 1
+        with connect(config.agent.socket) as other:  # the space the stale writer held is reused now
+            put(other, ["victim-0", "victim-1"], hints)
+        assert audit(config, ["victim-0", "victim-1"], expected, what="write in flight") == (0, 0)
+    finally:
+        release.set()
+        stale.io.close()
+        agents[-1].stop()
+
+
 def test_the_agent_refuses_to_publish_an_allocation_of_another_epoch(agent_thread: Start) -> None:
     a = agent_thread()
     assert E.current(a.config.ssd.dir) == a.agent.epoch >= 1
