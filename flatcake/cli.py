@@ -194,6 +194,23 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from flatcake.loadgen.bench import serve
+
+    cfg = serve.QUICK if args.quick else serve.ServeConfig()
+    given = {name: getattr(args, name) for name in ("qps", "requests", "trace", "layout") if getattr(args, name)}
+    if args.systems:
+        given["systems"] = names.resolve("serve", args.systems, "--systems")
+    try:
+        cfg = dataclasses.replace(cfg, **given)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    report = serve.run(cfg, Path(args.out), log=lambda m: print(m, file=sys.stderr))
+    print(serve.format_table(report))
+    print(f"report: {Path(args.out) / 'serve.json'} (and serve.md, serve.png)", file=sys.stderr)
+    return 0 if all(r["ran"] for r in report["systems"]) else 1
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from flatcake.loadgen.simulate import report as sr
     from flatcake.loadgen.simulate import run as sim
@@ -360,6 +377,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("sessions", "turns", "pages-per-turn", "layers", "page-bytes", "workers"):
         restore.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
     restore.set_defaults(func=_bench_restore)
+
+    sv = bench.add_parser("serve", help="a real SGLang server (CPU) replaying a trace slice with each L3 backend")
+    sv.add_argument("--quick", action="store_true", help="one rate, 12 requests (under 5 minutes)")
+    sv.add_argument("--systems", type=_csv(str, "--systems"), help=f"default and choices: {names.choices('serve')}")
+    sv.add_argument("--qps", type=_csv(float, "--qps"), help="arrival rates, comma-separated (default 0.5,1)")
+    sv.add_argument("--requests", type=int, help="requests of the synthesized agentic trace (default 40)")
+    sv.add_argument("--trace", help="replay this trace instead (its prompts must fit the server's 12K-token pool)")
+    sv.add_argument("--layout", choices=["layer_first", "page_first_direct"], help="SGLang's --hicache-mem-layout")
+    sv.add_argument("--out", default="results/serve", help="where runs, serve.json, serve.md, serve.png go")
+    sv.set_defaults(func=_bench_serve)
 
     e2e = bench.add_parser("e2e", help="the main job: trace replay through Locust against emulators, then the report")
     e2e.add_argument("--quick", action="store_true", help="a short slice, two rates, one repeat")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from flatcake.errors import ConfigError
 
-BENCHES = ("restore", "peers", "e2e", "context", "simulate")
+BENCHES = ("restore", "peers", "e2e", "context", "simulate", "serve")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class SystemName:
 REGISTRY: tuple[SystemName, ...] = (
     SystemName("flatcake", "FlatCake as a serving engine runs it: through its node agent (peers: SGLang's "
                "backend over the agent; e2e: the emulator as the agent's client; simulate: the agent's catalog "
-               "and scheduler)", ("peers", "e2e", "simulate")),
+               "and scheduler; serve: the backend inside a real SGLang server)", ("peers", "e2e", "simulate", "serve")),
     SystemName("flatcake-engine", "FlatCake's engine in process, no agent (its layers stream as they land)",
                ("restore", "peers", "context")),
     SystemName("tiered", "SGLang HiCache's rules: a host LRU tier evicting into an idealized SSD log (one "
@@ -35,11 +35,11 @@ REGISTRY: tuple[SystemName, ...] = (
                ("restore", "peers")),
     SystemName("per-block", "one file per page, read layer by layer", ("restore",)),
     SystemName("hicache-file", "SGLang 0.5.23's own HiCacheFile (one file per page) as the storage backend or "
-               "L3; needs the sglang extra", ("peers", "e2e")),
+               "L3; needs the sglang extra", ("peers", "e2e", "serve")),
     SystemName("hicache-mooncake", "SGLang HiCache's rules over Mooncake Store as L3 (a real master and client, "
                "SGLang's Mooncake backend's batch calls, its SSD offload; half the DRAM budget is its segment); "
-               "needs the peers extra",
-               ("e2e",)),
+               "needs the peers extra (serve: SGLang's own Mooncake backend in a real server)",
+               ("e2e", "serve")),
     SystemName("mooncake", "Mooncake Store: a master, a DRAM segment, SSD offload", ("peers", "context")),
     SystemName("dram", "SGLang HiCache's host tier alone (no storage below it)", ("e2e", "simulate")),
     SystemName("recompute", "nothing stored: every prompt is prefilled", ("e2e", "context")),

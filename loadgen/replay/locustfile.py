@@ -41,6 +41,7 @@ def _options(parser: Any) -> None:
     parser.add_argument("--qps", type=float, default=1.0, help="target arrival rate")
     parser.add_argument("--api", choices=list(APIS), default="openai")
     parser.add_argument("--max-output", type=int, default=16, help="cap on output tokens per request")
+    parser.add_argument("--vocab", type=int, default=0, help="fold token ids below a served model's vocabulary")
     parser.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
                         help="token ids, or text (4 characters a token: flatcake.loadgen.tokens)")  # fmt: skip
     parser.add_argument("--results", default="results.jsonl", help="per-request JSON lines (one file per process)")
@@ -277,7 +278,7 @@ class TraceUser(HttpUser):
     def _send(self, r: _Replay, item: Item) -> None:
         o = self.environment.parsed_options
         assert o is not None
-        tokens = prompt_tokens(item.request)
+        tokens = prompt_tokens(item.request, o.vocab)
         n_out = max(1, min(item.request.output_length, o.max_output))
         payload = body(o.api, tokens, n_out, text=o.prompt_format == "text")
         sent = time.perf_counter()

@@ -23,11 +23,13 @@ def block_tokens(hash_id: int, n: int) -> list[int]:
     return ((hash_id * 2_654_435_761 + np.arange(n, dtype=np.int64)) % VOCAB).tolist()
 
 
-def prompt_tokens(r: TraceRequest) -> list[int]:
+def prompt_tokens(r: TraceRequest, vocab: int = 0) -> list[int]:
+    """The request's token ids; ``vocab`` (a served model's smaller vocabulary) folds them below it,
+    keeping every shared prefix shared."""
     out: list[int] = []
     for h, n in zip(r.hash_ids, r.block_token_counts(), strict=True):
         out += block_tokens(h, n)
-    return out
+    return [t % vocab for t in out] if vocab else out
 
 
 @dataclass(frozen=True)
@@ -129,4 +131,7 @@ def read_stream(api: str, lines: Iterator[bytes], started: float) -> tuple[float
             m = event.get("meta_info", {})
             usage = {"cached": m.get("cached_tokens", 0), "hits": (m.get("flatcake") or {}).get("hit_tokens", {}),
                      "output": m.get("completion_tokens", 0)}  # fmt: skip
+            # A real SGLang server says where the cached tokens came from (HiCache's tiers) instead.
+            if not usage["hits"] and isinstance(details := m.get("cached_tokens_details"), dict):
+                usage["hits"] = {tier: int(details.get(tier) or 0) for tier in ("device", "host", "storage")}
     return ttft, chunks, usage

@@ -32,6 +32,7 @@ class LoadgenConfig:
     limit: int | None = None
     api: str = "openai"
     max_output: int = 16
+    vocab: int = 0  # fold prompt token ids below a served model's vocabulary (0: as generated, < 50,000)
     prompt_format: str = "ids"  # ids | text (the shared 4-characters-a-token rule)
     users: int = 64
     role: str = "local"  # local | master | worker
@@ -83,6 +84,8 @@ def command(cfg: LoadgenConfig) -> list[str]:
            "--run-time", f"{int(span + cfg.margin_s)}s", "--stop-timeout", "60"]  # fmt: skip
     if cfg.limit:
         cmd += ["--trace-limit", str(cfg.limit)]
+    if cfg.vocab:
+        cmd += ["--vocab", str(cfg.vocab)]
     if cfg.metrics_port:
         cmd += ["--metrics-port", str(cfg.metrics_port), "--metrics-host", cfg.metrics_host]
     if cfg.role != "worker":

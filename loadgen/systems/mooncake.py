@@ -116,6 +116,98 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
+class MooncakeMaster:
+    """A ``mooncake_master`` on loopback as this project deploys it (HTTP metadata server, metrics,
+    offload on eviction, the scaled lease): ``rpc_address`` and ``metadata_url`` are what a client's
+    ``setup`` (or SGLang's Mooncake backend's extra config) names. ``root`` is emptied first; the log
+    is ``root/master.log``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.log_path = self.root / "master.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self.rpc_port = self.metadata_port = self.metrics_port = 0
+
+    @property
+    def rpc_address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://127.0.0.1:{self.metadata_port}/metadata"
+
+    def start(self, attempts: int = 3) -> MooncakeMaster:
+        binary = _package_dir() / "mooncake_master"
+        shutil.rmtree(self.root, ignore_errors=True)
+        (self.root / "offload").mkdir(parents=True)
+        self._log = self.log_path.open("wb")
+        for attempt in range(attempts):  # a free port can be taken before the master binds it
+            self.rpc_port, self.metadata_port, self.metrics_port = free_port(), free_port(), free_port()
+            args = [
+                str(binary),
+                f"--rpc_port={self.rpc_port}",
+                "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.metadata_port}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={self.metrics_port}",
+                "--enable_offload=true",
+                "--offload_on_evict=true",
+                f"--default_kv_lease_ttl={LEASE_TTL_MS}",
+                "--logtostderr=true",
+                "--minloglevel=1",  # warnings and errors: its INFO lines report every eviction pass
+            ]
+            self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not self.ready():
+                if self.proc.poll() is not None and attempt + 1 < attempts:
+                    break
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    why = "exited" if self.proc.poll() is not None else f"did not answer in {START_TIMEOUT_S:.0f} s"
+                    self.close()
+                    raise RuntimeError(f"mooncake_master {why}; its last log lines:\n{_tail(self.log_path)}")
+                time.sleep(0.05)
+            else:
+                return self
+        return self
+
+    def ready(self) -> bool:
+        """The RPC port accepts; the metadata server and the admin server answer /health."""
+        try:
+            socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.5).close()
+            for port in (self.metadata_port, self.metrics_port):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status != 200:
+                        return False
+        except OSError:
+            return False
+        return True
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> MooncakeMaster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class MooncakeSystem:
     name = "mooncake"
 
@@ -144,9 +236,7 @@ class MooncakeSystem:
         self.bucket_keys = max(1, min(BUCKET_KEYS, self.dram_pages // 8))
         self.root = Path(directory) / "mooncake"
         self.offload_dir = self.root / "offload"
-        self.log_path = self.root / "master.log"
-        self._master: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
+        self.master = MooncakeMaster(self.root)
         self._store: Any = None
         self._registered = False
         self._stored: set[str] = set()
@@ -164,77 +254,31 @@ class MooncakeSystem:
         os.environ["MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT"] = str(self.bucket_keys)
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # not a warning for every put refused for space
         store_class = _store_class()
-        binary = _package_dir() / "mooncake_master"
         try:
-            self._start_master(binary)
+            self.master.start()
             self._setup(store_class)
         except BaseException:
             self.close()
             raise
 
     # ---- processes -------------------------------------------------------------------------------
-    def _start_master(self, binary: Path, attempts: int = 3) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
-        self.offload_dir.mkdir(parents=True)
-        self._log = self.log_path.open("wb")
-        for attempt in range(attempts):  # a free port can be taken before the master binds it
-            self.rpc_port, self.metadata_port, self.metrics_port = free_port(), free_port(), free_port()
-            args = [
-                str(binary),
-                f"--rpc_port={self.rpc_port}",
-                "--rpc_address=127.0.0.1",
-                "--enable_http_metadata_server=true",
-                "--http_metadata_server_host=127.0.0.1",
-                f"--http_metadata_server_port={self.metadata_port}",
-                "--metrics_host=127.0.0.1",
-                f"--metrics_port={self.metrics_port}",
-                "--enable_offload=true",
-                "--offload_on_evict=true",
-                f"--default_kv_lease_ttl={LEASE_TTL_MS}",
-                "--logtostderr=true",
-                "--minloglevel=1",  # warnings and errors: its INFO lines report every eviction pass
-            ]
-            self._master = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not self._master_ready():
-                if self._master.poll() is not None and attempt + 1 < attempts:
-                    break
-                if self._master.poll() is not None or time.monotonic() > deadline:
-                    why = "exited" if self._master.poll() is not None else f"did not answer in {START_TIMEOUT_S:.0f} s"
-                    raise RuntimeError(f"mooncake_master {why}; its last log lines:\n{_tail(self.log_path)}")
-                time.sleep(0.05)
-            else:
-                return
-
-    def _master_ready(self) -> bool:
-        """The RPC port accepts; the metadata server and the admin server answer /health."""
-        try:
-            socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.5).close()
-            for port in (self.metadata_port, self.metrics_port):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status != 200:
-                        return False
-        except OSError:
-            return False
-        return True
-
     def _setup(self, store_class: Any) -> None:
         store = store_class()
         self._store = store  # close() tears it down, whatever happens next
         code = store.setup(
             "127.0.0.1",
-            f"http://127.0.0.1:{self.metadata_port}/metadata",
+            self.master.metadata_url,
             self.dram_bytes,
             LOCAL_BUFFER,
             "tcp",
             "",
-            f"127.0.0.1:{self.rpc_port}",
+            self.master.rpc_address,
             None,
             True,  # enable_ssd_offload
             str(self.offload_dir),  # ssd_offload_path
         )
         if code != 0:
-            raise RuntimeError(f"mooncake: client setup failed ({code}); master log:\n{_tail(self.log_path)}")
+            raise RuntimeError(f"mooncake: client setup failed ({code}); master log:\n{_tail(self.master.log_path)}")
         self.segment = str(store.get_hostname())
         code = store.register_buffer(self.staging.ctypes.data, self.staging.nbytes)
         if code != 0:
@@ -253,12 +297,12 @@ class MooncakeSystem:
         return buffer
 
     def pids(self) -> list[int]:
-        return [self._master.pid] if self._master is not None and self._master.poll() is None else []
+        return [self.master.proc.pid] if self.master.proc is not None and self.master.alive() else []
 
     def _metrics(self) -> dict[str, float]:
         """The master's Prometheus gauges and counters (reading them takes no lease)."""
         out: dict[str, float] = {}
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.master.metrics_port}/metrics", timeout=5) as r:
             for line in r.read().decode().splitlines():
                 name, _, value = line.partition(" ")
                 if line and not line.startswith("#") and "{" not in name:
@@ -449,17 +493,7 @@ class MooncakeSystem:
             self._extra.clear()
             store.close()
             del store  # its destructor unmounts and stops the offload threads, while the master is up
-        master, self._master = self._master, None
-        if master is not None and master.poll() is None:
-            master.send_signal(signal.SIGTERM)
-            try:
-                master.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                master.kill()
-                master.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        self.master.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
 

@@ -1,0 +1,265 @@
+"""``flatcake bench serve``: a real SGLang 0.5.23 server (CPU) with HiCache, replaying a trace slice
+through Locust at a few rates, with each L3 storage backend in turn: FlatCake (its node agent, the
+backend loaded by ``--hicache-storage-backend dynamic``), SGLang's own HiCacheFile, and Mooncake Store
+(SGLang's Mooncake backend over a real ``mooncake_master``, SSD offload on).
+
+Every (system, rate) point starts cold: fresh storage, a fresh server (warmed with one unrelated
+request). Before the replay a probe prompt is generated greedily; after it, the device and host tiers
+are flushed and the probe asked again: ``logprobs_match_cold`` says whether what came back from L3
+gave bit-identical logprobs. Reported per point: TTFT mean and P99, SGLang's own cached tokens by tier
+(``device``, ``host``, ``storage``: ``meta_info.cached_tokens_details``), throughput, and for FlatCake the
+pages its agent restored from DRAM and from SSD.
+
+CPU compute makes absolute times nothing like a GPU's (a 2K-token prefill takes ~1 s here): the point
+is the real path and the relative order of the backends under the same server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import random
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flatcake.loadgen import names
+from flatcake.loadgen.replay.run import LoadgenConfig
+from flatcake.loadgen.replay.run import run as run_locust
+from flatcake.loadgen.serve.model import make_model
+from flatcake.loadgen.serve.server import SGLangServer, server_python
+from flatcake.loadgen.traces.formats import write_trace
+from flatcake.loadgen.traces.synth import SynthConfig, synthesize
+
+SYSTEMS = names.names("serve")
+TIERS = ("device", "host", "storage")
+INSTALL = "FLATCAKE_SGLANG_SERVER=1 bin/flatcake --help builds the server's venv (bin/flatcake bench serve does)"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    systems: tuple[str, ...] = SYSTEMS
+    qps: tuple[float, ...] = (0.5, 1.0)
+    requests: int = 40  # of the synthesized agentic trace (scale 0.03: prompts of 1-5K tokens)
+    trace: str | None = None  # another trace instead (its prompts must fit the device pool)
+    scale: float = 0.03
+    seed: int = 7
+    layout: str = "layer_first"  # SGLang's --hicache-mem-layout
+    max_output: int = 16
+    device_tokens: int = 12_288  # SGLang's device KV pool (--max-total-tokens): a few sessions
+    host_ratio: float = 2.0  # its host pool, times the device pool (--hicache-ratio)
+    dram_bytes: int = 64 << 20  # FlatCake's DRAM pool, Mooncake's DRAM segment
+    prefetch_policy: str = "timeout"  # SGLang's default: an L3 hit not ready in time is recomputed
+    probe_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        names.resolve("serve", self.systems)
+        if not self.qps or any(q <= 0 for q in self.qps):
+            raise ValueError(f"qps: {self.qps} must be rates > 0")
+        if self.requests < 1:
+            raise ValueError(f"requests: {self.requests} must be >= 1")
+
+
+QUICK = ServeConfig(qps=(1.0,), requests=12)
+
+
+def trace_for(cfg: ServeConfig, out: Path) -> Path:
+    path = out / "trace.jsonl"
+    if cfg.trace:
+        path.write_bytes(Path(cfg.trace).read_bytes())
+    else:
+        write_trace(path, synthesize(SynthConfig("agentic", requests=cfg.requests, seed=cfg.seed, scale=cfg.scale)))
+    return path
+
+
+@contextlib.contextmanager
+def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, int]) -> Iterator[dict[str, Any]]:
+    """The server's storage arguments for ``system``, with what they need running (an agent, a master).
+    Yields ``SGLangServer`` keyword arguments plus ``agent`` (FlatCake's config) where there is one."""
+    if system == "hicache-file":
+        yield {"storage_backend": "file", "file_dir": where / "hicache"}
+        return
+    if system == "flatcake":
+        from flatcake.node_agent import AgentConfig, DramConfig, EngineConfig, IOConfig, SsdConfig, spawn
+
+        node = where / "node"
+        node.mkdir(parents=True)
+        span = geometry["layers"] * geometry["page_bytes"]
+        config = EngineConfig(
+            layers=geometry["layers"], page_bytes=geometry["page_bytes"], page_tokens=geometry["page_tokens"],
+            dram=DramConfig(bytes=cfg.dram_bytes // span * span, huge_pages=False, shm_dir=str(node), name="serve"),
+            ssd=SsdConfig(dir=str(node / "pool"), file_bytes=64 * span, file_count=256),
+            io=IOConfig(backend="posix"), agent=AgentConfig(socket=str(node / "agent.sock"), metrics_port=0),
+        )  # fmt: skip
+        agent = spawn(config, node)
+        try:
+            yield {"storage_backend": "dynamic", "agent": config,
+                   "storage_config": {"backend_name": "flatcake", "module_path": "flatcake.node_agent.sglang",
+                                      "class_name": "FlatCakeStorage", "socket": config.agent.socket,
+                                      "interface_v1": True, "hicache_storage_pass_prefix_keys": True}}  # fmt: skip
+        finally:
+            agent.terminate()
+            agent.wait(30)
+        return
+    if system == "hicache-mooncake":
+        from flatcake.loadgen.systems.mooncake import CLIENT_ENV, MooncakeMaster
+
+        with MooncakeMaster(where / "mooncake") as master:
+            extra = {"master_server_address": master.rpc_address, "metadata_server": master.metadata_url,
+                      "protocol": "tcp", "device_name": "", "global_segment_size": cfg.dram_bytes,
+                      "local_hostname": "127.0.0.1", "enable_ssd_offload": True,
+                      "ssd_offload_path": str(master.root / "offload")}  # fmt: skip
+            yield {"storage_backend": "mooncake", "env": dict(CLIENT_ENV), "storage_config": extra}
+        return
+    raise ValueError(f"system {system!r}: not one of {SYSTEMS}")
+
+
+def restored_pages(agent: Any) -> dict[str, int]:
+    """The agent's clients' restored pages by medium (their counters reach the agent with each release)."""
+    from flatcake.node_agent import AgentConnection
+
+    conn = AgentConnection(agent.agent.socket)
+    try:
+        conn.call("register")
+        client = conn.call("stats")["client_stats"]
+    finally:
+        conn.close()
+    return {m: int(client.get(f"restore_pages_{m}", 0)) for m in ("dram", "ssd")}
+
+
+def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Path, where: Path,
+              log: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    where.mkdir(parents=True)
+    geometry = kv_geometry(model)
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    probe = [random.Random(99).randrange(3, vocab) for _ in range(cfg.probe_tokens)]
+    with storage_for(system, cfg, where, geometry) as storage:
+        agent = storage.pop("agent", None)
+        server = SGLangServer(model, workdir=where / "sglang", mem_layout=cfg.layout, page_size=geometry["page_tokens"],
+                              max_total_tokens=cfg.device_tokens, hicache_ratio=cfg.host_ratio,
+                              prefetch_policy=cfg.prefetch_policy, **storage)  # fmt: skip
+        with server:
+            log(f"  {system} at {qps:g} QPS: server ready in {server.start_seconds:.0f} s, replaying ...")
+            server.warm_up()
+            cold = server.generate(input_ids=probe)
+            base = restored_pages(agent) if agent else None
+            started = time.monotonic()
+            rc = run_locust(LoadgenConfig(host=server.url, trace=str(trace), qps=qps, system=system,
+                                          results=str(where / "results.jsonl"), api="sglang", max_output=cfg.max_output,
+                                          vocab=vocab, users=16, margin_s=600.0))  # fmt: skip
+            replay_s = time.monotonic() - started
+            if rc not in (0, 1):  # 1: Locust saw failed requests, which the records show
+                raise RuntimeError(f"locust exited with {rc}")
+            pages = {k: v - base[k] for k, v in restored_pages(agent).items()} if agent and base else None
+            with contextlib.suppress(Exception):  # the probe's pages were written long ago; wait anyway
+                server.wait_backed_up((len(probe) - 1) // geometry["page_tokens"] * geometry["page_tokens"], 30)
+            server.flush_cache()
+            warm = server.generate(input_ids=probe)
+    records = [json.loads(line) for line in (where / "results.jsonl").read_text().splitlines() if line.strip()]
+    return summarize(system, qps, records, replay_s, cold, warm, pages)
+
+
+def kv_geometry(model: Path) -> dict[str, int]:
+    """Layers and bytes of one 64-token page per layer (K and V, bf16), from the model's config.json."""
+    c = json.loads((model / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    page_tokens = 64
+    return {"layers": c["num_hidden_layers"], "page_tokens": page_tokens,
+            "page_bytes": 2 * page_tokens * c["num_key_value_heads"] * head_dim * 2}  # fmt: skip
+
+
+def summarize(system: str, qps: float, records: list[dict[str, Any]], replay_s: float, cold: Any, warm: Any,
+              pages: dict[str, int] | None) -> dict[str, Any]:  # fmt: skip
+    ok = [r for r in records if r["ok"] and r["ttft_s"] is not None]
+    ttfts = sorted(r["ttft_s"] for r in ok)
+    tiers = {t: sum(int((r.get("hit_tokens") or {}).get(t, 0)) for r in ok) for t in TIERS}
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    row: dict[str, Any] = {
+        "system": system, "qps": qps, "ran": True, "why_not": "", "requests": len(records),
+        "errors": len(records) - len(ok),
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+        "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+        "prompt_tokens": prompt, "cached_tokens_by_tier": tiers,
+        "storage_hit_share": tiers["storage"] / prompt if prompt else 0.0,
+        "throughput_tokens_per_s": (prompt + sum(r["output_tokens"] for r in ok)) / replay_s if replay_s else 0.0,
+        "logprobs_match_cold": warm.logprobs == cold.logprobs and warm.output_ids == cold.output_ids,
+        "probe_from_storage_tokens": warm.cached_storage or 0,
+    }  # fmt: skip
+    if pages is not None:
+        row.update(dram_hits=pages["dram"], ssd_hits=pages["ssd"])
+    return row
+
+
+def run(cfg: ServeConfig, out: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    try:
+        python = server_python()
+    except FileNotFoundError as exc:
+        raise RuntimeError(f"{exc}; {INSTALL}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    model = make_model(out / "model")
+    trace = trace_for(cfg, out)
+    rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+    for system in cfg.systems:
+        for qps in cfg.qps:
+            where = out / system / f"qps-{qps:g}"
+            shutil.rmtree(where, ignore_errors=True)
+            try:
+                rows.append(run_point(system, qps, cfg, model, trace, where, log))
+            except Exception as exc:  # one backend that cannot run here is reported, not fatal
+                log(f"  {system} at {qps:g} QPS did not run: {exc}")
+                why = f"{type(exc).__name__}: {exc}"[:2000]
+                rows.append({"system": system, "qps": qps, "ran": False, "why_not": why})
+            log(f"  done {len(rows)} of {len(cfg.systems) * len(cfg.qps)} points ({time.monotonic() - started:.0f} s)")
+    report = {"meta": {**dataclasses.asdict(cfg), "server_python": str(python),
+                       "model": json.loads((model / "config.json").read_text()), "trace": str(trace),
+                       "seconds": time.monotonic() - started,
+                       "note": "CPU compute: absolute times are not a GPU's; the relative order is the point"},
+              "systems": rows}  # fmt: skip
+    (out / "serve.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "serve.md").write_text(format_table(report) + "\n")
+    with contextlib.suppress(Exception):
+        plot(report, out / "serve.png")
+    return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = ("| system | QPS | ran | mean TTFT s | P99 TTFT s | device / host / storage cached tokens | storage share "
+            "| tokens/s | logprobs match cold | FlatCake DRAM / SSD pages |")  # fmt: skip
+    lines = [head, "|" + "---|" * 10]
+    for r in report["systems"]:
+        if not r["ran"]:
+            lines.append(f"| {r['system']} | {r['qps']:g} | no: {r['why_not'][:80]} |" + " |" * 7)
+            continue
+        t = r["cached_tokens_by_tier"]
+        fc = f"{r['dram_hits']} / {r['ssd_hits']}" if "dram_hits" in r else ""
+        mean, p99 = r["ttft_mean_s"], r["ttft_p99_s"]
+        lines.append(f"| {r['system']} | {r['qps']:g} | yes | {mean:.3f} | {p99:.3f} | "
+                     f"{t['device']} / {t['host']} / {t['storage']} | {r['storage_hit_share']:.1%} | "
+                     f"{r['throughput_tokens_per_s']:.0f} | {r['logprobs_match_cold']} | {fc} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system in dict.fromkeys(r["system"] for r in report["systems"]):
+        pts = [(r["qps"], r["ttft_mean_s"]) for r in report["systems"] if r["system"] == system and r["ran"]]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=system)
+    ax.set_xlabel("arrival rate (QPS)")
+    ax.set_ylabel("mean TTFT (s), CPU server")
+    ax.set_title("bench serve: a real SGLang server, by L3 backend")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
