@@ -198,7 +198,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from flatcake.loadgen.bench import serve
 
     cfg = serve.QUICK if args.quick else serve.ServeConfig()
-    given = {name: getattr(args, name) for name in ("qps", "requests", "trace", "layout") if getattr(args, name)}
+    fields = ("qps", "requests", "trace", "layout", "repeats")
+    given = {name: getattr(args, name) for name in fields if getattr(args, name)}
     if args.systems:
         given["systems"] = names.resolve("serve", args.systems, "--systems")
     try:
@@ -379,12 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     restore.set_defaults(func=_bench_restore)
 
     sv = bench.add_parser("serve", help="a real SGLang server (CPU) replaying a trace slice with each L3 backend")
-    sv.add_argument("--quick", action="store_true", help="one rate, 12 requests (under 5 minutes)")
+    sv.add_argument("--quick", action="store_true", help="one rate, 16 requests, one repeat (under 5 minutes)")
     sv.add_argument("--systems", type=_csv(str, "--systems"), help=f"default and choices: {names.choices('serve')}")
-    sv.add_argument("--qps", type=_csv(float, "--qps"), help="arrival rates, comma-separated (default 0.5,1)")
+    sv.add_argument("--qps", type=_csv(float, "--qps"), help="arrival rates, comma-separated (default 0.25,0.5)")
     sv.add_argument("--requests", type=int, help="requests of the synthesized agentic trace (default 40)")
-    sv.add_argument("--trace", help="replay this trace instead (its prompts must fit the server's 12K-token pool)")
+    sv.add_argument("--trace", help="replay this trace instead (its prompts must fit the server's 6K-token pool)")
     sv.add_argument("--layout", choices=["layer_first", "page_first_direct"], help="SGLang's --hicache-mem-layout")
+    sv.add_argument("--repeats", type=int, help="cold runs per point (default 2), the systems' order alternating")
     sv.add_argument("--out", default="results/serve", help="where runs, serve.json, serve.md, serve.png go")
     sv.set_defaults(func=_bench_serve)
 

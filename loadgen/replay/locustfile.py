@@ -278,13 +278,14 @@ class TraceUser(HttpUser):
     def _send(self, r: _Replay, item: Item) -> None:
         o = self.environment.parsed_options
         assert o is not None
-        tokens = prompt_tokens(item.request, o.vocab)
-        n_out = max(1, min(item.request.output_length, o.max_output))
-        payload = body(o.api, tokens, n_out, text=o.prompt_format == "text")
         sent = time.perf_counter()
-        rec = Record(item.index, o.system, o.qps, item.at, sent - r.start, None, None, len(tokens), 0, 0, {}, False)
+        rec = Record(item.index, o.system, o.qps, item.at, sent - r.start, None, None, 0, 0, 0, {}, False)
         r.sent += 1
         try:
+            tokens = prompt_tokens(item.request, o.vocab)  # inside: a request that cannot be built is recorded
+            rec.prompt_tokens = len(tokens)
+            n_out = max(1, min(item.request.output_length, o.max_output))
+            payload = body(o.api, tokens, n_out, text=o.prompt_format == "text")
             with self.client.post(path(o.api), json=payload, stream=True, catch_response=True,
                                   name=f"{path(o.api)} TTFT", timeout=600) as resp:  # fmt: skip
                 if resp.status_code != 200:

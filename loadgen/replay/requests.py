@@ -20,7 +20,9 @@ from flatcake.loadgen.traces.formats import TraceRequest
 
 
 def block_tokens(hash_id: int, n: int) -> list[int]:
-    return ((hash_id * 2_654_435_761 + np.arange(n, dtype=np.int64)) % VOCAB).tolist()
+    # Reduced in Python first: a merged trace's block ids (user k's start at k << 40) times the
+    # multiplier overflow int64; (a mod V + i) mod V is the same ids for every id that did not.
+    return ((hash_id * 2_654_435_761 % VOCAB + np.arange(n, dtype=np.int64)) % VOCAB).tolist()
 
 
 def prompt_tokens(r: TraceRequest, vocab: int = 0) -> list[int]:

@@ -194,3 +194,18 @@ def test_the_placement_ablation_runs_flatcake_once_per_mode(tmp_path: Path) -> N
     # The mode reaches the engine the emulator (or the point's node agent) runs.
     emu = EmulatorConfig(data_dir=str(tmp_path), placement="adaptive")
     assert engine_config(emu, tmp_path).placement.mode == "adaptive"
+
+
+def test_prompt_ids_of_a_merged_multi_user_trace_and_folded_to_a_small_vocabulary() -> None:
+    from flatcake.loadgen.replay.requests import block_tokens
+    from flatcake.loadgen.tokens import VOCAB
+    from flatcake.loadgen.traces.synth import USER_ID_STRIDE, SynthConfig, synthesize
+
+    # The same ids as the unreduced formula wherever that did not overflow (every single-user trace).
+    assert block_tokens(12345, 4) == [(12345 * 2_654_435_761 + i) % VOCAB for i in range(4)]
+    far = 3 * USER_ID_STRIDE + 17  # user 3's block ids: the unreduced product overflowed int64
+    assert block_tokens(far, 3) == [(far * 2_654_435_761 + i) % VOCAB for i in range(3)]
+    reqs = list(synthesize(SynthConfig("agentic", requests=3, seed=1, scale=0.01, users=4)))
+    folded = [prompt_tokens(r, 8192) for r in reqs]
+    assert all(0 <= t < 8192 for ids in folded for t in ids)
+    assert [len(ids) for ids in folded] == [len(prompt_tokens(r)) for r in reqs]
