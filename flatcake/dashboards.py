@@ -16,13 +16,15 @@ import jinja2
 from flatcake import metrics as M
 
 ROOT = Path(__file__).resolve().parent.parent / "dashboards"
-NAMES = ("overview", "storage-io", "scheduler", "capacity")
-# A series name and its selector, if any. Dashboard variable -> the label it filters: catalogue
-# metrics with a `system` label are counted by serving processes (emulator, engine, load generator);
-# every other one is served by the node agents, whose `instance` is what `node` lists.
-_SERIES = re.compile(r"\b(flatcake_[a-z0-9_]+)(\{[^}]*\})?")
+# overview: a deployment (SGLang's own series and the agents'); benchmark: the emulator and load generator.
+NAMES = ("overview", "storage-io", "scheduler", "capacity", "benchmark")
+# A series name and its selector, if any. Dashboard variable -> the label it filters: SGLang's series
+# by `model_name` (`model`); catalogue metrics with a `system` label are counted by the benchmark's
+# serving processes (emulator, load generator); every other one is served by the node agents, whose
+# `instance` is what `node` lists.
+_SERIES = re.compile(r"(?<![\w:])((?:flatcake_|sglang_)[a-z0-9_]+)(\{[^}]*\})?")
 _RANGE = re.compile(r"\[([^\]]*)\]")
-VARIABLES = {"system": "system", "node": "instance"}
+VARIABLES = {"system": "system", "node": "instance", "model": "model_name"}
 
 
 def render(name: str, templates: Path = ROOT / "templates") -> dict[str, Any]:
@@ -47,7 +49,7 @@ def expressions(dashboard: dict[str, Any]) -> list[str]:
 def series_names() -> set[str]:
     """Every series name the catalogue's metrics expose (histograms as _bucket, _sum, _count)."""
     out = set()
-    for spec in M.CATALOG.values():
+    for spec in [*M.CATALOG.values(), *M.SGLANG_SPECS]:
         if spec.kind == "histogram":
             out |= {f"{spec.name}_bucket", f"{spec.name}_sum", f"{spec.name}_count"}
         else:
@@ -63,13 +65,16 @@ def unknown_metrics(dashboard: dict[str, Any]) -> set[str]:
 def spec_of(series: str) -> M.Spec:
     """The catalogue entry behind a series name (counters add _total; histograms _bucket, _sum, _count)."""
     for suffix in ("", "_total", "_bucket", "_sum", "_count"):
-        if series.endswith(suffix) and series.removesuffix(suffix) in M.CATALOG:
-            return M.CATALOG[series.removesuffix(suffix)]
+        for catalog in (M.CATALOG, M.SGLANG):
+            if series.endswith(suffix) and series.removesuffix(suffix) in catalog:
+                return catalog[series.removesuffix(suffix)]
     raise KeyError(f"{series}: not a series of the catalogue in flatcake/metrics.py")
 
 
 def applicable_variable(spec: M.Spec) -> str:
     """The dashboard variable that filters ``spec``'s series (see VARIABLES)."""
+    if spec.name in M.SGLANG:
+        return "model"
     return "system" if "system" in spec.labels else "node"
 
 

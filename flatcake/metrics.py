@@ -233,6 +233,22 @@ _SPECS = [
 CATALOG: dict[str, Spec] = {s.name: s for s in _SPECS}
 
 
+# SGLang's own series (``--enable-metrics``; sglang/srt/observability/metrics_collector.py, 0.5.23) that
+# the production dashboards and alerts read: the serving side of a FlatCake deployment is SGLang itself,
+# not the emulator. Not exported by FlatCake; listed so that dashboards name only known series. SGLang
+# names them ``sglang:...``, but a Prometheus scrape negotiates OpenMetrics, in which SGLang serves them
+# as ``sglang_...``: what Prometheus stores, and so what queries name (seen with Prometheus 2.42).
+SGLANG_SPECS = (
+    Spec("sglang_prompt_tokens", "counter", ("model_name",), "", "SGLang: prompt tokens processed."),
+    Spec("sglang_cached_tokens", "counter", ("model_name", "cache_source"), "",
+         "SGLang: prompt tokens served from its cache, by source (device, host, storage: the L3 backend)."),
+    Spec("sglang_num_requests", "counter", ("model_name",), "", "SGLang: requests processed."),
+    Spec("sglang_time_to_first_token_seconds", "histogram", ("model_name",), "seconds",
+         "SGLang: time to first token."),
+)  # fmt: skip
+SGLANG: dict[str, Spec] = {s.name: s for s in SGLANG_SPECS}
+
+
 def exposed_name(spec: Spec) -> str:
     """The series name Prometheus shows (counters gain ``_total``)."""
     return spec.name + "_total" if spec.kind == "counter" else spec.name
@@ -337,4 +353,7 @@ def markdown_table() -> str:
     """The catalogue as the Markdown table in docs/metrics.md (regenerate with bin/generate)."""
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     rows += [f"| `{exposed_name(s)}` | {s.kind} | {', '.join(s.labels) or '-'} | {s.help} |" for s in _SPECS]
+    rows += ["", "SGLang's own series that the production dashboards and alerts read (not exported by FlatCake):", "",
+             "| metric | type | labels | meaning |", "|---|---|---|---|"]  # fmt: skip
+    rows += [f"| `{exposed_name(s)}` | {s.kind} | {', '.join(s.labels)} | {s.help} |" for s in SGLANG_SPECS]
     return "\n".join(rows)

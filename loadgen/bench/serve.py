@@ -116,14 +116,18 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
             agent.wait(30)
         return
     if system == "hicache-mooncake":
-        from flatcake.loadgen.systems.mooncake import CLIENT_ENV, MooncakeMaster
+        from flatcake.loadgen.systems.mooncake import BUCKET_KEYS, CLIENT_ENV, MooncakeMaster
 
         with MooncakeMaster(where / "mooncake") as master:
             extra = {"master_server_address": master.rpc_address, "metadata_server": master.metadata_url,
                       "protocol": "tcp", "device_name": "", "global_segment_size": cfg.dram_bytes,
                       "local_hostname": "127.0.0.1", "enable_ssd_offload": True,
                       "ssd_offload_path": str(master.root / "offload")}  # fmt: skip
-            yield {"storage_backend": "mooncake", "env": dict(CLIENT_ENV), "storage_config": extra}
+            # Scaled to the small segment as bench peers scales it (loadgen/systems/mooncake.py): a bucket
+            # is offloaded only once full, so its default 500 keys would never leave this segment.
+            pages = cfg.dram_bytes // (geometry["layers"] * geometry["page_bytes"])
+            env = {**CLIENT_ENV, "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": str(max(1, min(BUCKET_KEYS, pages // 8)))}
+            yield {"storage_backend": "mooncake", "env": env, "storage_config": extra}
         return
     raise ValueError(f"system {system!r}: not one of {SYSTEMS}")
 

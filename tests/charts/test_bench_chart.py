@@ -128,6 +128,9 @@ def test_sglang_example_matches_sglangs_parser_and_the_agents_paths(name: str) -
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(container["args"])  # exits on an unknown or malformed flag
     assert args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic" and args.page_size == 256
+    # The flags of the project's own runs: metrics for the Overview dashboard, the layout, the prefetch policy.
+    assert args.enable_metrics and args.hicache_mem_layout == "layer_first"
+    assert args.hicache_storage_prefetch_policy == "timeout"
     extra = json.loads(args.hicache_storage_backend_extra_config)
     module = __import__(extra["module_path"], fromlist=[extra["class_name"]])
     assert issubclass(getattr(module, extra["class_name"]), HiCacheStorage)
