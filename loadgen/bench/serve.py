@@ -32,7 +32,7 @@ from flatcake.loadgen import names
 from flatcake.loadgen.replay.run import LoadgenConfig
 from flatcake.loadgen.replay.run import run as run_locust
 from flatcake.loadgen.serve.model import make_model
-from flatcake.loadgen.serve.server import SGLangServer, server_python
+from flatcake.loadgen.serve.server import SGLangServer, cpu_seconds, server_python
 from flatcake.loadgen.traces.formats import write_trace
 from flatcake.loadgen.traces.synth import SynthConfig, synthesize
 
@@ -107,7 +107,7 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
         )  # fmt: skip
         agent = spawn(config, node)
         try:
-            yield {"storage_backend": "dynamic", "agent": config,
+            yield {"storage_backend": "dynamic", "agent": config, "pids": [agent.pid],
                    "storage_config": {"backend_name": "flatcake", "module_path": "flatcake.node_agent.sglang",
                                       "class_name": "FlatCakeStorage", "socket": config.agent.socket,
                                       "interface_v1": True, "hicache_storage_pass_prefix_keys": True}}  # fmt: skip
@@ -127,7 +127,8 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
             # is offloaded only once full, so its default 500 keys would never leave this segment.
             pages = cfg.dram_bytes // (geometry["layers"] * geometry["page_bytes"])
             env = {**CLIENT_ENV, "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": str(max(1, min(BUCKET_KEYS, pages // 8)))}
-            yield {"storage_backend": "mooncake", "env": env, "storage_config": extra}
+            pids = [master.proc.pid] if master.proc is not None else []
+            yield {"storage_backend": "mooncake", "env": env, "storage_config": extra, "pids": pids}
         return
     raise ValueError(f"system {system!r}: not one of {SYSTEMS}")
 
@@ -153,6 +154,7 @@ def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Pat
     probe = [random.Random(99).randrange(3, vocab) for _ in range(cfg.probe_tokens)]
     with storage_for(system, cfg, where, geometry) as storage:
         agent = storage.pop("agent", None)
+        helpers = storage.pop("pids", [])  # the backend's own processes (FlatCake's agent, Mooncake's master)
         server = SGLangServer(model, workdir=where / "sglang", mem_layout=cfg.layout, page_size=geometry["page_tokens"],
                               max_total_tokens=cfg.device_tokens, hicache_ratio=cfg.host_ratio,
                               prefetch_policy=cfg.prefetch_policy, **storage)  # fmt: skip
@@ -161,11 +163,15 @@ def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Pat
             server.warm_up()
             cold = server.generate(input_ids=probe)
             base = restored_pages(agent) if agent else None
+            cpu = (server.cpu_seconds(), cpu_seconds(helpers))
             started = time.monotonic()
             rc = run_locust(LoadgenConfig(host=server.url, trace=str(trace), qps=qps, system=system,
                                           results=str(where / "results.jsonl"), api="sglang", max_output=cfg.max_output,
                                           vocab=vocab, users=16, margin_s=600.0))  # fmt: skip
             replay_s = time.monotonic() - started
+            # CPU the replay cost: the server (prefill and decode share these 2 cores with the backend's
+            # own work in its threads) and the backend's processes.
+            cpu_s = {"server": server.cpu_seconds() - cpu[0], "backend_processes": cpu_seconds(helpers) - cpu[1]}
             if rc not in (0, 1):  # 1: Locust saw failed requests, which the records show
                 raise RuntimeError(f"locust exited with {rc}")
             pages = {k: v - base[k] for k, v in restored_pages(agent).items()} if agent and base else None
@@ -174,7 +180,7 @@ def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Pat
             server.flush_cache()
             warm = server.generate(input_ids=probe)
     records = [json.loads(line) for line in (where / "results.jsonl").read_text().splitlines() if line.strip()]
-    return summarize(system, qps, records, replay_s, cold, warm, pages)
+    return {**summarize(system, qps, records, replay_s, cold, warm, pages), "cpu_s": cpu_s}
 
 
 def kv_geometry(model: Path) -> dict[str, int]:
@@ -259,6 +265,8 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             values = [r[field] for r in ran if r.get(field) is not None]
             if values:
                 row[field] = statistics.median(values)
+        if all("cpu_s" in r for r in ran):
+            row["cpu_s"] = {k: statistics.median(r["cpu_s"][k] for r in ran) for k in ran[0]["cpu_s"]}
         means = sorted(r["ttft_mean_s"] for r in ran if r["ttft_mean_s"] is not None)
         row["ttft_mean_spread_s"] = {"min": means[0], "median": statistics.median(means), "max": means[-1]}
         row["cached_tokens_by_tier"] = {t: int(statistics.median(r["cached_tokens_by_tier"][t] for r in ran))
@@ -270,19 +278,20 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def format_table(report: dict[str, Any]) -> str:
     head = ("| system | QPS | ran | mean TTFT s | P99 TTFT s | device / host / storage cached tokens | storage share "
-            "| tokens/s | logprobs match cold | FlatCake DRAM / SSD pages |")  # fmt: skip
-    lines = [head, "|" + "---|" * 10]
+            "| tokens/s | logprobs match cold | FlatCake DRAM / SSD pages | CPU s: server / backend |")  # fmt: skip
+    lines = [head, "|" + "---|" * 11]
     for r in report["systems"]:
         if not r["ran"]:
-            lines.append(f"| {r['system']} | {r['qps']:g} | no: {r['why_not'][:80]} |" + " |" * 7)
+            lines.append(f"| {r['system']} | {r['qps']:g} | no: {r['why_not'][:80]} |" + " |" * 8)
             continue
         t = r["cached_tokens_by_tier"]
         fc = f"{r['dram_hits']:g} / {r['ssd_hits']:g}" if "dram_hits" in r else ""
+        cpu = f"{r['cpu_s']['server']:.0f} / {r['cpu_s']['backend_processes']:.1f}" if "cpu_s" in r else ""
         spread, p99 = r["ttft_mean_spread_s"], r["ttft_p99_s"]
         mean = f"{spread['median']:.3f} ({spread['min']:.3f}-{spread['max']:.3f})"
         lines.append(f"| {r['system']} | {r['qps']:g} | yes | {mean} | {p99:.3f} | "
                      f"{t['device']} / {t['host']} / {t['storage']} | {r['storage_hit_share']:.1%} | "
-                     f"{r['throughput_tokens_per_s']:.0f} | {r['logprobs_match_cold']} | {fc} |")  # fmt: skip
+                     f"{r['throughput_tokens_per_s']:.0f} | {r['logprobs_match_cold']} | {fc} | {cpu} |")  # fmt: skip
     return "\n".join(lines)
 
 

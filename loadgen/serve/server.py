@@ -89,6 +89,31 @@ def flatcake_import_root(directory: Path) -> Path:
     return directory
 
 
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds the processes have used so far (Linux ``/proc``; 0 for one that is gone)."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+    return total
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` (a server and the scheduler and detokenizer it spawned)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                    out.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
 @dataclass(frozen=True)
 class Generation:
     """One ``/generate`` answer: greedy output, its logprobs, and where the prompt's cached tokens came from."""
@@ -268,6 +293,10 @@ class SGLangServer:
                 continue
         with contextlib.suppress(ProcessLookupError):  # children that outlived the leader
             os.killpg(proc.pid, signal.SIGKILL)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the server's processes (its process group) have used so far."""
+        return cpu_seconds(group_pids(self.proc.pid)) if self.proc is not None else 0.0
 
     def __enter__(self) -> Self:
         return self.start()

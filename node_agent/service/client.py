@@ -33,44 +33,94 @@ log = logging.getLogger(__name__)
 
 
 class AgentConnection:
+    """One control connection, thread-safe (calls are serialised). A connection the agent dropped (it
+    restarted, or was killed) is made again on the next call, registering as before, so a long-lived
+    client (an inference server) serves hits again once the agent is back: the call that met the break
+    fails with ConnectionError (its caller's miss), later ones go to the new agent. A new agent whose
+    configuration differs from the one first registered with is refused (the pools this client mapped
+    would not be its)."""
+
     def __init__(self, path: str, timeout: float = 30.0) -> None:
         self.path = path
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
-        try:
-            self._sock.connect(path)
-        except OSError as exc:
-            self._sock.close()
-            raise ConnectionError(f"cannot reach the flatcake agent at {path}: {exc.strerror or exc}") from None
+        self.timeout = timeout
+        self._sock: socket.socket | None = self._open()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._register: dict[str, Any] | None = None  # the first register's arguments and configuration
+        self._config: dict[str, Any] | None = None
+        self.reconnects = 0
+
+    def _open(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise ConnectionError(f"cannot reach the flatcake agent at {self.path}: {exc.strerror or exc}") from None
+        return sock
 
     def call(self, op: str, **args: Any) -> Any:
         with self._lock:
-            req_id = next(self._ids)
-            self._sock.sendall(P.pack(P.request(req_id, op, args)))
-            reply = P.unpack(self._recv_frame())
+            sock = self._sock if self._sock is not None else self._reopen()
+            try:
+                reply = self._exchange(sock, op, args)
+            except OSError as exc:  # reset, broken pipe, closed, timed out: the stream is lost either way
+                self._drop()
+                raise ConnectionError(f"the flatcake agent at {self.path} went away during {op!r}: {exc}") from None
         if reply.get("ok"):
-            return reply.get("result")
+            result = reply.get("result")
+            if op == "register" and self._register is None:
+                self._register, self._config = dict(args), (result or {}).get("config")
+            return result
         err = reply.get("error", {})
         code, message = err.get("code", P.INTERNAL), err.get("message", "")
         raise _error(code, message)
 
-    def _recv_frame(self) -> bytes:
-        (length,) = P.HEADER.unpack(self._recv(P.HEADER.size))
-        return self._recv(length)
+    def _exchange(self, sock: socket.socket, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        sock.sendall(P.pack(P.request(next(self._ids), op, args)))
+        return P.unpack(self._recv_frame(sock))
 
-    def _recv(self, n: int) -> bytes:
+    def _reopen(self) -> socket.socket:
+        """A new connection, registered as the first one was (under the lock)."""
+        sock = self._open()
+        if self._register is not None:
+            try:
+                reply = self._exchange(sock, "register", self._register)
+            except OSError as exc:
+                sock.close()
+                raise ConnectionError(f"the flatcake agent at {self.path} went away while registering: {exc}") from None
+            config = (reply.get("result") or {}).get("config") if reply.get("ok") else None
+            if config != self._config:
+                sock.close()
+                why = reply.get("error", {}).get("message") or "its configuration differs from the one registered with"
+                raise ConnectionError(f"the flatcake agent at {self.path} restarted and cannot be used: {why}")
+        self._sock = sock
+        self.reconnects += 1
+        log.info("reconnected to the flatcake agent at %s (%d reconnects)", self.path, self.reconnects)
+        return sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _recv_frame(self, sock: socket.socket) -> bytes:
+        (length,) = P.HEADER.unpack(self._recv(sock, P.HEADER.size))
+        return self._recv(sock, length)
+
+    def _recv(self, sock: socket.socket, n: int) -> bytes:
         buf = bytearray()
         while len(buf) < n:
-            chunk = self._sock.recv(n - len(buf))
+            chunk = sock.recv(n - len(buf))
             if not chunk:
-                raise ConnectionError(f"the flatcake agent at {self.path} closed the connection")
+                raise ConnectionResetError(f"the flatcake agent at {self.path} closed the connection")
             buf += chunk
         return bytes(buf)
 
     def close(self) -> None:
-        self._sock.close()
+        with self._lock:
+            self._drop()
 
 
 def _error(code: str, message: str) -> Exception:

@@ -95,7 +95,7 @@ def test_dashboard_config_maps_are_the_dashboards() -> None:
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
         ((key, text),) = cm["data"].items()
         shipped[key] = json.loads(text)
-    assert shipped == sources and len(shipped) == 4
+    assert shipped == sources and len(shipped) == 5
 
 
 def test_prometheus_rule_carries_the_shipped_rules() -> None:

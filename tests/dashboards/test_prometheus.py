@@ -104,7 +104,12 @@ def test_every_panel_query_returns_data(tmp_path: Path, agent_thread: Callable[.
         server.wait_backed_up(before + 960)
         server.flush_cache()
         assert server.generate(input_ids=prompt).cached_storage
-        server.generate(input_ids=prompt)  # and from the device
+        server.generate(input_ids=prompt)  # from the device
+        # Once Prometheus has the device series, one more device hit: a rate needs an increase between
+        # two scrapes, and a series' first sample already holds its first counts.
+        wait_until(lambda: query(base, 'sglang_cached_tokens_total{cache_source="device"}')["data"]["result"],
+                   what="Prometheus to scrape SGLang's cached tokens")  # fmt: skip
+        server.generate(input_ids=prompt)
         rc = run_locust(LoadgenConfig(host=f"http://127.0.0.1:{emu.port}", trace=str(e2e.BUNDLED), qps=3.0,
                                       system="flatcake", results=str(tmp_path / "r.jsonl"), limit=24,
                                       metrics_port=loadgen_port, margin_s=60))  # fmt: skip

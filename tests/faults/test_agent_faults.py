@@ -471,3 +471,38 @@ def test_a_damaged_pool_manifest_is_a_clear_error_not_a_traceback(tmp_path: Path
     r = subprocess.run([str(exe), "agent", "serve", "--config", str(path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == ConfigError.exit_code, r.stderr
     assert "pool.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_client_reconnects_to_a_restarted_agent_and_refuses_a_different_one(tmp_path: Path) -> None:
+    """Issue 29 item 9, the client's half: calls while the agent is away fail (a miss to the caller);
+    once the agent is back the same engine registers again and serves the stored pages bit-exact; an
+    agent restarted with another configuration is refused, not mapped over."""
+    import dataclasses
+
+    config = small_config(tmp_path / "node", files=8, dram_bytes=16 * 4 * 4096)
+    a = AgentThread(config)
+    e = connect(config.agent.socket)
+    keys = ["r0", "r1", "r2"]
+    try:
+        put(e, keys, SSD)
+        a.stop()
+        dest = np.zeros((4, len(keys), 4096), np.uint8)
+        with pytest.raises(ConnectionError):
+            e.get(keys, dest).run()
+        with pytest.raises(ConnectionError):  # still away: every call is a miss, none hangs
+            e.get(keys, dest).run()
+        a = AgentThread(config)
+        with e.get(keys, dest) as restore:
+            assert restore.run() == set()
+        assert all(np.array_equal(dest[:, i], expected(k)) for i, k in enumerate(keys))
+        assert e.catalog.conn.reconnects == 1  # type: ignore[attr-defined]
+        a.stop()
+        other = dataclasses.replace(config, dram=dataclasses.replace(config.dram, bytes=32 * 4 * 4096))
+        a = AgentThread(other)
+        with pytest.raises(ConnectionError, match="went away"):  # the call that meets the break
+            e.get(keys, dest).run()
+        with pytest.raises(ConnectionError, match="cannot be used"):
+            e.get(keys, dest).run()
+    finally:
+        e.io.close()
+        a.stop()
