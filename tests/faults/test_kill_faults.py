@@ -101,7 +101,7 @@ def test_kill_9_while_the_journal_compacts_online_repeatedly(tmp_path: Path) -> 
     second under two writers (snapshot, tail copy, rename), then kill -9, four times over. After each
     restart every acknowledged key is served bit-exact, and no space is held by anything but the pages
     the journal names (what a kill mid-compaction could leak)."""
-    from flatcake.node_agent.service.client import AgentConnection
+    from tests.support.agents import agent_stats
 
     config = small_config(tmp_path / "node", files=1024, file_bytes=10 * 4 * 4096, dram_bytes=4096 * 4 * 4096,
                           agent={"journal_compact_bytes": 4096, "journal_compact_ratio": 1.05})  # fmt: skip
@@ -109,13 +109,7 @@ def test_kill_9_while_the_journal_compacts_online_repeatedly(tmp_path: Path) -> 
     published: set[str] = set()
 
     def stats() -> dict[str, Any]:
-        conn = AgentConnection(config.agent.socket)
-        try:
-            conn.call("register")
-            answer: dict[str, Any] = conn.call("stats")
-            return answer
-        finally:
-            conn.close()
+        return agent_stats(config.agent.socket)
 
     def no_leak(what: str) -> None:
         usage = stats()["usage"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 from flatcake.node_agent import EngineConfig
 from flatcake.node_agent.service.server import Agent
@@ -34,3 +35,16 @@ class AgentThread:
         self._thread.join(10)
         self._loop.close()
         self.agent.close()
+
+
+def agent_stats(socket_path: str) -> dict[str, Any]:
+    """The agent's ``stats`` (a registered connection of its own; the agent refuses unregistered ones)."""
+    from flatcake.node_agent.service.client import AgentConnection
+
+    conn = AgentConnection(socket_path)
+    try:
+        conn.call("register")
+        answer: dict[str, Any] = conn.call("stats")
+        return answer
+    finally:
+        conn.close()

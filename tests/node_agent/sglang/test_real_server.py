@@ -20,8 +20,8 @@ import pytest
 from flatcake.loadgen.serve.model import make_model
 from flatcake.loadgen.serve.server import LAYOUTS, Generation, SGLangServer, server_python
 from flatcake.node_agent import EngineConfig
-from flatcake.node_agent.service.client import AgentConnection
 from flatcake.node_agent.service.main import spawn
+from tests.support.agents import agent_stats
 from tests.support.engines import small_config
 
 pytestmark = pytest.mark.system
@@ -64,13 +64,7 @@ def _agent(tmp_path: Path, verify: str) -> Iterator[Any]:
 
 
 def stats(config: EngineConfig) -> dict[str, Any]:
-    conn = AgentConnection(config.agent.socket)
-    try:
-        conn.call("register")
-        answer: dict[str, Any] = conn.call("stats")
-        return answer
-    finally:
-        conn.close()
+    return agent_stats(config.agent.socket)
 
 
 def restored(config: EngineConfig) -> dict[str, int]:
