@@ -324,21 +324,18 @@ class Agent:
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         a = self.config.agent
-        if len(self.sessions) >= a.max_clients:  # answered, not silently dropped, so the client can say why
-            self.dropped["busy"] += 1
-            with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
-                writer.write(P.pack(P.error(0, P.BUSY, f"the agent serves agent.max_clients={a.max_clients} "
-                                            "connections already; retry later or raise the limit")))  # fmt: skip
-                await asyncio.wait_for(writer.drain(), a.frame_timeout_s)
-            writer.close()
-            return
         pid = _peer_pid(writer)
-        if pid and sum(1 for s in self.sessions.values() if s.pid == pid) >= a.max_clients_per_process:
+        busy = None
+        if len(self.sessions) >= a.max_clients:
+            busy = (f"the agent serves agent.max_clients={a.max_clients} connections already; retry later or "
+                    "raise the limit")  # fmt: skip
+        elif pid and sum(1 for s in self.sessions.values() if s.pid == pid) >= a.max_clients_per_process:
+            busy = (f"process {pid} holds agent.max_clients_per_process={a.max_clients_per_process} connections "
+                    "already; reuse one or close some")  # fmt: skip
+        if busy is not None:  # answered, not silently dropped, so the client can say why
             self.dropped["busy"] += 1
             with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
-                writer.write(P.pack(P.error(0, P.BUSY, f"process {pid} holds agent.max_clients_per_process="
-                                            f"{a.max_clients_per_process} connections already; reuse one or close "
-                                            "some")))  # fmt: skip
+                writer.write(P.pack(P.error(0, P.BUSY, busy)))
                 await asyncio.wait_for(writer.drain(), a.frame_timeout_s)
             writer.close()
             return
