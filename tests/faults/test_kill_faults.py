@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from flatcake.node_agent.config import EngineConfig
 from tests.node_agent.service.test_agent_processes import check_bytes, client, read_log, start_agent, stop_agent
 from tests.support.engines import small_config
 from tests.support.faults import audit
@@ -16,6 +19,18 @@ from tests.support.kv_client import page_bytes_for
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.faults
+
+
+def storm_then_kill(agent: subprocess.Popen[str], config: EngineConfig, logs: list[Path], seeds: list[int],
+                    under_way: Callable[[], bool], what: str) -> set[str]:  # fmt: skip
+    """Writer processes put into the agent until ``under_way``, then kill -9 of the agent; the keys they
+    saw published (each writer exits 3 once the agent is gone)."""
+    writers = [client(config, log, 600, seed) for log, seed in zip(logs, seeds, strict=True)]
+    wait_until(under_way, what=what)
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(10)
+    assert [w.wait(30) for w in writers] == [3] * len(writers)
+    return set().union(*(read_log(log)[1] for log in logs))
 
 
 def test_repeated_kill_9_under_load_loses_and_corrupts_nothing(tmp_path: Path) -> None:
@@ -27,13 +42,9 @@ def test_repeated_kill_9_under_load_loses_and_corrupts_nothing(tmp_path: Path) -
             lost, wrong = audit(config, sorted(published), lambda k: page_bytes_for(k, 4, 4096), what=f"cycle {cycle}")
             assert (lost, wrong) == (0, 0)
         logs = [tmp_path / f"c{cycle}-w{i}.log" for i in range(2)]
-        writers = [client(config, log, 600, 100 * cycle + i) for i, log in enumerate(logs)]
-        wait_until(lambda logs=logs: sum(len(read_log(x)[1]) for x in logs) >= 30, what="writers to publish")
-        agent.send_signal(signal.SIGKILL)
-        agent.wait(10)
-        assert [w.wait(30) for w in writers] == [3, 3]
-        for log in logs:
-            published |= read_log(log)[1]
+        published |= storm_then_kill(agent, config, logs, [100 * cycle + i for i in range(2)],
+                                     lambda logs=logs: sum(len(read_log(x)[1]) for x in logs) >= 30,
+                                     "writers to publish")  # fmt: skip
     agent = start_agent(config, tmp_path)
     try:
         lost, wrong = audit(config, sorted(published), lambda k: page_bytes_for(k, 4, 4096), what="after 3 kills")
@@ -66,14 +77,8 @@ def test_kill_9_in_a_put_storm_on_a_filled_pool_restarts_within_the_goal(tmp_pat
             keys = filled[i * per_put : (i + 1) * per_put]
             engine.put(keys, fill(keys, layers, page))
     logs = [tmp_path / f"storm-w{i}.log" for i in range(2)]
-    writers = [client(config, log, 600, 900 + i) for i, log in enumerate(logs)]
-    wait_until(lambda: sum(len(read_log(x)[1]) for x in logs) >= 60, what="writers to publish")
-    agent.send_signal(signal.SIGKILL)
-    agent.wait(10)
-    assert [w.wait(30) for w in writers] == [3, 3]
-    storm: set[str] = set()
-    for log in logs:
-        storm |= read_log(log)[1]
+    storm = storm_then_kill(agent, config, logs, [900, 901], lambda: sum(len(read_log(x)[1]) for x in logs) >= 60,
+                            "writers to publish")  # fmt: skip
 
     started = time.monotonic()
     agent = start_agent(config, tmp_path)
@@ -124,15 +129,11 @@ def test_kill_9_while_the_journal_compacts_online_repeatedly(tmp_path: Path) -> 
             no_leak(f"cycle {cycle}")
         compactions = stats()["journal_compactions"]
         logs = [tmp_path / f"k{cycle}-w{i}.log" for i in range(2)]
-        writers = [client(config, log, 600, 300 + 10 * cycle + i) for i, log in enumerate(logs)]
         # Several online compactions into this cycle's storm, then the kill lands wherever one is.
-        wait_until(lambda logs=logs, c=compactions: stats()["journal_compactions"] >= c + 5
-                   and sum(len(read_log(x)[1]) for x in logs) >= 30, what="compactions under the storm")  # fmt: skip
-        agent.send_signal(signal.SIGKILL)
-        agent.wait(10)
-        assert [w.wait(30) for w in writers] == [3, 3]
-        for log in logs:
-            published |= read_log(log)[1]
+        published |= storm_then_kill(agent, config, logs, [300 + 10 * cycle + i for i in range(2)],
+                                     lambda logs=logs, c=compactions: stats()["journal_compactions"] >= c + 5
+                                     and sum(len(read_log(x)[1]) for x in logs) >= 30,
+                                     "compactions under the storm")  # fmt: skip
     agent = start_agent(config, tmp_path)
     try:
         assert audit(config, sorted(published), lambda k: page_bytes_for(k, 4, 4096), what="after 4 kills") == (0, 0)
