@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flatcake.loadgen import names
 from flatcake.loadgen.replay.run import LoadgenConfig
@@ -35,6 +35,9 @@ from flatcake.loadgen.serve.model import make_model
 from flatcake.loadgen.serve.server import SGLangServer, cpu_seconds, server_python
 from flatcake.loadgen.traces.formats import write_trace
 from flatcake.loadgen.traces.synth import SynthConfig, synthesize
+
+if TYPE_CHECKING:
+    from flatcake.node_agent import EngineConfig
 
 SYSTEMS = names.names("serve")
 TIERS = ("device", "host", "storage")
@@ -86,12 +89,21 @@ def trace_for(cfg: ServeConfig, out: Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class Backend:
+    """An L3 backend set up for one server: its ``SGLangServer`` keyword arguments, FlatCake's agent
+    configuration where it has one, and the backend's own processes (for their CPU time)."""
+
+    server_args: dict[str, Any]
+    agent: EngineConfig | None = None  # FlatCake's agent
+    pids: tuple[int, ...] = ()
+
+
 @contextlib.contextmanager
-def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, int]) -> Iterator[dict[str, Any]]:
-    """The server's storage arguments for ``system``, with what they need running (an agent, a master).
-    Yields ``SGLangServer`` keyword arguments plus ``agent`` (FlatCake's config) where there is one."""
+def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, int]) -> Iterator[Backend]:
+    """``system``'s backend, with what it needs running (an agent, a master) until the block ends."""
     if system == "hicache-file":
-        yield {"storage_backend": "file", "file_dir": where / "hicache"}
+        yield Backend({"storage_backend": "file", "file_dir": where / "hicache"})
         return
     if system == "flatcake":
         from flatcake.node_agent import AgentConfig, DramConfig, EngineConfig, IOConfig, SsdConfig, spawn
@@ -107,10 +119,10 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
         )  # fmt: skip
         agent = spawn(config, node)
         try:
-            yield {"storage_backend": "dynamic", "agent": config, "pids": [agent.pid],
-                   "storage_config": {"backend_name": "flatcake", "module_path": "flatcake.node_agent.sglang",
-                                      "class_name": "FlatCakeStorage", "socket": config.agent.socket,
-                                      "interface_v1": True, "hicache_storage_pass_prefix_keys": True}}  # fmt: skip
+            extra = {"backend_name": "flatcake", "module_path": "flatcake.node_agent.sglang",
+                     "class_name": "FlatCakeStorage", "socket": config.agent.socket, "interface_v1": True,
+                     "hicache_storage_pass_prefix_keys": True}  # fmt: skip
+            yield Backend({"storage_backend": "dynamic", "storage_config": extra}, config, (agent.pid,))
         finally:
             agent.terminate()
             agent.wait(30)
@@ -127,13 +139,13 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
             # is offloaded only once full, so its default 500 keys would never leave this segment.
             pages = cfg.dram_bytes // (geometry["layers"] * geometry["page_bytes"])
             env = {**CLIENT_ENV, "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": str(max(1, min(BUCKET_KEYS, pages // 8)))}
-            pids = [master.proc.pid] if master.proc is not None else []
-            yield {"storage_backend": "mooncake", "env": env, "storage_config": extra, "pids": pids}
+            pids = (master.proc.pid,) if master.proc is not None else ()
+            yield Backend({"storage_backend": "mooncake", "env": env, "storage_config": extra}, pids=pids)
         return
     raise ValueError(f"system {system!r}: not one of {SYSTEMS}")
 
 
-def restored_pages(agent: Any) -> dict[str, int]:
+def restored_pages(agent: EngineConfig) -> dict[str, int]:
     """The agent's clients' restored pages by medium (their counters reach the agent with each release)."""
     from flatcake.node_agent import AgentConnection
 
@@ -152,12 +164,11 @@ def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Pat
     geometry = kv_geometry(model)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     probe = [random.Random(99).randrange(3, vocab) for _ in range(cfg.probe_tokens)]
-    with storage_for(system, cfg, where, geometry) as storage:
-        agent = storage.pop("agent", None)
-        helpers = storage.pop("pids", [])  # the backend's own processes (FlatCake's agent, Mooncake's master)
+    with storage_for(system, cfg, where, geometry) as backend:
+        agent, helpers = backend.agent, backend.pids
         server = SGLangServer(model, workdir=where / "sglang", mem_layout=cfg.layout, page_size=geometry["page_tokens"],
                               max_total_tokens=cfg.device_tokens, hicache_ratio=cfg.host_ratio,
-                              prefetch_policy=cfg.prefetch_policy, **storage)  # fmt: skip
+                              prefetch_policy=cfg.prefetch_policy, **backend.server_args)  # fmt: skip
         with server:
             log(f"  {system} at {qps:g} QPS: server ready in {server.start_seconds:.0f} s, replaying ...")
             server.warm_up()

@@ -10,6 +10,7 @@ builds it) with the CPU compatibility layer (loadgen/serve/sglang_cpu) on its PY
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,10 +49,13 @@ def agent_config(where: Path, verify: str = "ssd") -> EngineConfig:
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[Any]:
-    yield from _agent(tmp_path, "ssd")
+    with running_agent(tmp_path, "ssd") as proc:
+        yield proc
 
 
-def _agent(tmp_path: Path, verify: str) -> Iterator[Any]:
+@contextlib.contextmanager
+def running_agent(tmp_path: Path, verify: str) -> Iterator[Any]:
+    """A node agent process of the model's geometry (its config as ``.config``), stopped at the end."""
     config = agent_config(tmp_path / "node", verify)
     (tmp_path / "node").mkdir(parents=True, exist_ok=True)
     proc = spawn(config, tmp_path / "node")
@@ -136,7 +140,7 @@ def test_a_damaged_page_is_refused_or_changes_the_logprobs(model: Path, tmp_path
     """The control: with the default checks a damaged SSD page is a miss (recomputed: the same logprobs,
     nothing from storage); with checks off the same damage reaches the model and its logprobs differ,
     so the equality above is a real comparison."""
-    for agent in _agent(tmp_path, verify):
+    with running_agent(tmp_path, verify) as agent:
         config = agent.config
         with SGLangServer(model, workdir=tmp_path / "sglang", storage_backend="dynamic",
                           storage_config=backend_config(config)) as server:  # fmt: skip
