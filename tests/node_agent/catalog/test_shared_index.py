@@ -5,9 +5,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +19,7 @@ from flatcake.node_agent.catalog.journal import Journal
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.catalog.recovery import recover
 from flatcake.node_agent.config import PlacementConfig
+from flatcake.node_agent.policy import keyindex
 from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.policy.scopes import Location, ScopeTable
 
@@ -167,6 +170,71 @@ def test_readers_never_see_a_torn_or_foreign_entry(tmp_path: Path) -> None:
     writer.join(10)
     assert writer.exitcode == 0
     assert checked > 20 and hits > 1000
+
+
+class _WriterBetweenStores(keyindex.Table):
+    """A table as a reader meets it while the writer works: before each gather of whole slots
+    (``rows``, between the reader's two reads of the sequence numbers) the writer takes its next
+    step. A concurrent writer lands in that gap only sometimes (the churn test above catches a
+    missing re-read of the sequence in about 4 runs of 5); here every lookup lands in it."""
+
+    def __init__(self, t: keyindex.Table, steps: Iterator[None]) -> None:
+        vars(self).update({k: v for k, v in vars(t).items() if k != "rows"})
+        self._rows, self._steps = t.rows, steps
+
+    @property  # type: ignore[override]
+    def rows(self) -> npt.NDArray[np.uint64]:
+        next(self._steps, None)
+        return self._rows
+
+
+def _publish_in_steps(t: keyindex.Table, at: int, row: npt.NDArray[np.uint64]) -> Iterator[None]:
+    """The writer publishing ``row`` at an empty slot, stopped after the hashes (``_write_one``'s
+    order: sequence odd, then each field, then sequence even)."""
+    t.seq[at] += np.uint32(1)
+    t.h1[at], t.h2[at] = row[1], row[2]
+    yield
+    t.gva[at], t.stride[at] = row[3], row[0] >> np.uint64(32)
+    t.seq[at] += np.uint32(1)
+    yield
+
+
+def _move_in_steps(t: keyindex.Table, at: int, new: Location) -> Iterator[None]:
+    """The writer moving a key's entry to ``new`` in place, stopped between its address and stride."""
+    t.seq[at] += np.uint32(1)
+    t.gva[at] = new.gva
+    yield
+    t.stride[at] = new.layer_stride
+    t.seq[at] += np.uint32(1)
+    yield
+
+
+@pytest.mark.parametrize("step", ["publish", "move"])
+def test_a_reader_never_takes_a_slot_the_writer_is_between_two_stores_of(step: str, tmp_path: Path) -> None:
+    """The seqlock, deterministically: the writer stops mid-entry at the moment the reader gathers the
+    slot, every time. The reader must return the entry whole (before or after), never the new hashes
+    with the old address (``publish``) or the new address with the old stride (``move``). Removing the
+    re-read of the sequence after the gather (``s2`` in ``keyindex.probe``) fails both cases."""
+    index = S.SharedIndexWriter(tmp_path / "idx", 1024)
+    old, new = loc(5, 1), loc(5, 2)
+    index.insert(["k"], [old])
+    d = S.hash_keys(["k"])
+    assert d is not None
+    before = index.find(d)
+    assert before is not None and before.hit[0]
+    at = int(before.slot[0])
+    t = index.t
+    if step == "publish":
+        row = t.rows[at].copy()
+        t.rows[at] = 0  # the key not yet stored: its slot empty
+        steps, whole = _publish_in_steps(t, at, row), {(old.gva, old.layer_stride)}
+    else:
+        steps, whole = _move_in_steps(t, at, new), {(old.gva, old.layer_stride), (new.gva, new.layer_stride)}
+    found = keyindex.probe(_WriterBetweenStores(t, steps), d[0], d[1])
+    assert found is not None and found.hit[0], "the entry is published whole by the time the probe ends"
+    got = (int(found.gva[0]), int(found.stride[0]))
+    assert got in whole, f"torn entry: address {got[0]:#x}, stride {got[1]} (published: {whole})"
+    assert next(steps, "done") == "done", "the writer finished while the reader probed"
 
 
 def test_recovery_fills_the_index_in_bulk_once_it_has_adopted_every_scope(tmp_path: Path) -> None:
