@@ -452,10 +452,12 @@ def build_parser() -> argparse.ArgumentParser:
     agent_bench.add_argument(
         "--quick",
         action="store_true",
-        help="every summary field, smaller: 0.5 s points, 1 and 8 clients, restarts at 1/16 size",
+        help="every summary field, smaller: 0.5 s points, 1 and 8 clients, restarts at 1/16 size and 100K keys",
     )
     agent_bench.add_argument(
-        "--parts", type=_parts, help="comma-separated subset of latency,capacity,restart,index,journal (default: all)"
+        "--parts",
+        type=_parts,
+        help="comma-separated subset of latency,capacity,restart,restart_keys,index,journal (default: all)",
     )
     agent_bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     agent_bench.set_defaults(func=_bench_agent)

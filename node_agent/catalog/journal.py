@@ -65,6 +65,7 @@ class ReplayReport:
     skipped_records: int = 0  # damaged spans in the middle, each skipped
     skipped_bytes: int = 0
     torn_bytes: int = 0  # an incomplete last record, cut off the file
+    legacy: bool = False  # the first format: rewrite it before appending (``Journal.rewrite``)
 
 
 class Journal:
@@ -291,6 +292,7 @@ def replay(path: str | os.PathLike[str], report: ReplayReport | None = None) -> 
         return
     data = path.read_bytes()
     if _is_v1(data):
+        report.legacy = True
         yield from _replay_v1(path, data, report)
         return
     at, good_end = 0, 0

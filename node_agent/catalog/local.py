@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from flatcake.errors import FencedError, UnknownHandleError, UnknownKeyError
 from flatcake.node_agent.catalog.journal import Journal, publish_record
 from flatcake.node_agent.catalog.shared_index import SharedIndexWriter
 from flatcake.node_agent.config import PlacementConfig
 from flatcake.node_agent.policy.gva import Medium
-from flatcake.node_agent.policy.keyindex import pack, unpack
+from flatcake.node_agent.policy.keyindex import U64, Digests, pack
 from flatcake.node_agent.policy.placement import Hints, Key, PlacementCounts, decide
 from flatcake.node_agent.policy.scopes import (
     Location,
@@ -220,11 +221,12 @@ class LocalCatalog:
         freed. False when the digest (from ``pages_of``) no longer names that page."""
         return self.table.drop_page(digest, loc)
 
-    def adopt(self, scope: Scope, entries: dict[bytes, Location], checksums: dict[bytes, int]) -> None:
-        """Serve a recovered scope's pages again (recovery only). ``entries`` and ``checksums`` are keyed
-        by 16-byte key digests (``keyindex.pack``), in publish order."""
-        d = unpack(b"".join(entries))
-        self.table.adopt(scope, d, list(entries.values()), [checksums[k] for k in entries], later=self._adopted)
+    def adopt(
+        self, scope: Scope, d: Digests, gva: U64, stride: npt.NDArray[np.int64], crc: npt.NDArray[np.int64]
+    ) -> None:
+        """Serve a recovered scope's pages again (recovery only): key digests, addresses, layer strides
+        and checksums, in publish order."""
+        self.table.adopt(scope, d, gva, stride, crc, later=self._adopted)
 
     def adopted(self) -> None:
         """Recovery is over: index the adopted pages in bulk (until now clients find none of them,
@@ -240,11 +242,12 @@ class LocalCatalog:
         with self._lock:
             return len(self._allocs), len(self._leases)
 
-    def compact_journal(self) -> bool:
-        """Compact the journal online (when it is due): the live state is snapshotted with the journal's
-        end under the commit and table locks, and written while clients go on. False when not due."""
+    def compact_journal(self, force: bool = False) -> bool:
+        """Compact the journal online (when it is due, or ``force``): the live state is snapshotted with
+        the journal's end under the commit and table locks, and written while clients go on. False when
+        not due."""
         journal = self.journal
-        if journal is None or not journal.due():
+        if journal is None or not (force or journal.due()):
             return False
         with self._commit, self.table.lock:
             records = self._snapshot_locked()
@@ -259,13 +262,25 @@ class LocalCatalog:
             return self._snapshot_locked()
 
     def _snapshot_locked(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+        # One index probe per 64K pages, not one per scope: the table lock is held throughout, and per
+        # scope the probe's fixed cost dominated (1M pages in 64-page scopes: 1.6 s of 1.9 s).
         t = self.table
-        for scope in t.scopes.values():
-            if not scope.keys:
-                continue
-            d = scope.keys.digests()
-            found = t.find_digests(d)
-            crc = found.crc.tolist()
-            out.append(publish_record(scope, d, found.gva, found.stride, scope.slots, crc, scope.extents))
+        scopes = [scope for scope in t.scopes.values() if scope.keys]
+        if not scopes:
+            return []
+        digests = [scope.keys.digests() for scope in scopes]
+        h1 = np.concatenate([d[0] for d in digests])
+        h2 = np.concatenate([d[1] for d in digests])
+        parts = [
+            t.find_digests((h1[at : at + (1 << 16)], h2[at : at + (1 << 16)])) for at in range(0, len(h1), 1 << 16)
+        ]
+        gva = np.concatenate([f.gva for f in parts]).tolist()
+        stride = np.concatenate([f.stride for f in parts]).tolist()
+        crc = np.concatenate([f.crc for f in parts]).tolist()
+        out: list[dict[str, Any]] = []
+        at = 0
+        for scope, d in zip(scopes, digests, strict=True):
+            end = at + len(d[0])
+            out.append(publish_record(scope, d, gva[at:end], stride[at:end], scope.slots, crc[at:end], scope.extents))
+            at = end
         return out

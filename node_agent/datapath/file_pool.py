@@ -142,11 +142,14 @@ def create_pool(
     extent_policy: str = "warn",
     progress: Callable[[int, int], None] | None = None,
     gid: int = -1,
+    allocate: bool = True,
 ) -> PoolManifest:
     """Create (or verify and reuse) a pool of ``count`` files of ``file_bytes`` each.
 
     Idempotent: an existing pool with the same geometry is reused; a different geometry is refused
-    (shrinking or resizing a pool would drop stored data).
+    (shrinking or resizing a pool would drop stored data). ``allocate=False`` sizes the files without
+    allocating them (sparse): only for measuring metadata at pool sizes the disk does not have (a
+    write into a sparse pool can fail for want of space); the agent reuses such a pool as it is.
     """
     if extent_policy not in ("warn", "refuse"):
         raise ValueError(f"extent_policy: {extent_policy!r} must be 'warn' or 'refuse'")
@@ -170,7 +173,10 @@ def create_pool(
         try:
             share_fd(fd, gid)
             if os.fstat(fd).st_size != file_bytes:
-                os.posix_fallocate(fd, 0, file_bytes)
+                if allocate:
+                    os.posix_fallocate(fd, 0, file_bytes)
+                else:
+                    os.ftruncate(fd, file_bytes)
             try:
                 runs = contiguous_runs(fiemap_extents(fd))
             except OSError as exc:  # no FIEMAP here (tmpfs, some network filesystems): extents unknown

@@ -38,7 +38,7 @@ from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.policy.adaptive import ReuseModel
 from flatcake.node_agent.policy.extents import Extent, ExtentAllocator
 from flatcake.node_agent.policy.gva import Medium
-from flatcake.node_agent.policy.keyindex import Digests, Found, KeyIndex, Pages, hash_keys, pack
+from flatcake.node_agent.policy.keyindex import U64, Digests, Found, KeyIndex, Pages, hash_keys, pack
 from flatcake.node_agent.policy.placement import Decision, Key, Reason, overflow
 from flatcake.node_agent.policy.slots import SlotAllocator
 
@@ -494,11 +494,17 @@ class ScopeTable:
             return True
 
     def adopt(
-        self, scope: Scope, d: Digests, locs: Sequence[Location], crc: Sequence[int], later: list[Any] | None = None
+        self,
+        scope: Scope,
+        d: Digests,
+        gva: U64,
+        stride: npt.NDArray[np.int64],
+        crc: npt.NDArray[np.int64],
+        later: list[Any] | None = None,
     ) -> None:
         """Re-create a scope found in the journal at start-up (its space must be free), with its pages
-        (key digests, locations, checksums) in publish order. With ``later``, their index entries are
-        appended there for one bulk ``index_many`` instead of indexed now."""
+        (key digests, addresses, layer strides, checksums) in publish order. With ``later``, their index
+        entries are appended there for one bulk ``index_many`` instead of indexed now."""
         with self.lock:
             ordered = sorted(scope.extents)
             clash = [e for e in ordered if not self.ssd.is_free(e)]
@@ -510,10 +516,7 @@ class ScopeTable:
             if scope.slots:
                 self.dram.take(scope.slots)
             self.scopes[scope.id] = scope
-            n = len(locs)
-            gva = np.fromiter((loc.gva for loc in locs), np.uint64, n)
-            stride = np.fromiter((loc.layer_stride for loc in locs), np.int64, n)
-            cols = (d[0], d[1], np.full(n, scope.id, np.int64), gva, stride, np.asarray(crc, np.int64))
+            cols = (d[0], d[1], np.full(len(gva), scope.id, np.int64), gva, stride, crc)
             if later is None:
                 self.index_many([cols])
             else:

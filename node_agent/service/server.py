@@ -126,7 +126,7 @@ class Agent:
             return None
 
     def recover(self) -> Recovered:
-        """Rebuild the catalog from the journal, compact it, and start journaling (once)."""
+        """Rebuild the catalog from the journal and start journaling (once); compaction follows online."""
         if self.journal is not None:
             return self.recovered
         c = self.config
@@ -142,15 +142,21 @@ class Agent:
         journal = Journal(journal_path, c.agent.journal_fsync, c.agent.journal_fsync_ms, gid=self.gid,
                           compact_min_bytes=c.agent.journal_compact_bytes,
                           compact_ratio=c.agent.journal_compact_ratio)  # fmt: skip
-        try:
-            journal.rewrite(self.catalog.snapshot_records())  # compact: live state only
-        except OSError as exc:  # a full disk at start: keep the (valid, tail-trimmed) journal as it is
-            log.error("journal compaction failed, continuing with the uncompacted journal: %s", exc)
+        r = self.recovered
+        # Records beyond one per live scope (appends since the last compaction, frees, damage): compact
+        # to the live state, online, after serving starts (its cost grows with the keys: 10M keys
+        # would hold start-up for seconds). A journal of the first format is rewritten before the
+        # first append, which must not follow a record of the old format.
+        stale = r.records > r.scopes or r.skipped_records > 0
+        if r.legacy_journal:
+            try:
+                journal.rewrite(self.catalog.snapshot_records())
+            except OSError as exc:  # a full disk at start: keep the (valid, tail-trimmed) journal as it is
+                log.error("journal compaction failed, continuing with the uncompacted journal: %s", exc)
         self.catalog.journal = self.journal = journal
-        self._compactor = threading.Thread(target=self._compact_loop, args=(journal,),
+        self._compactor = threading.Thread(target=self._compact_loop, args=(journal, stale and not r.legacy_journal),
                                            name="flatcake-journal-compactor", daemon=True)  # fmt: skip
         self._compactor.start()
-        r = self.recovered
         log.info(
             "recovered %d pages in %d scopes from %d journal records (%d dropped, %d superseded, %d damaged "
             "records skipped) in %.2fs; epoch %d",
@@ -468,16 +474,18 @@ class Agent:
         finally:
             close_fds(fds)
 
-    def _compact_loop(self, journal: Journal) -> None:
-        """Compact the journal online whenever an append makes it due: its size stays within
-        ``journal_compact_ratio`` of the live records' (plus ``journal_compact_bytes``)."""
+    def _compact_loop(self, journal: Journal, now: bool = False) -> None:
+        """Compact the journal online whenever an append makes it due (and at once with ``now``): its
+        size stays within ``journal_compact_ratio`` of the live records' (plus ``journal_compact_bytes``)."""
         while True:
-            journal.due_event.wait()
+            if not now:
+                journal.due_event.wait()
             if self._stopping.is_set():
                 return
             journal.due_event.clear()
+            force, now = now, False
             try:
-                self.catalog.compact_journal()
+                self.catalog.compact_journal(force)
             except OSError as exc:  # a full disk: the old journal stays in use; retried after as much growth
                 journal.compact_errors += 1
                 log.error("journal %s: online compaction failed, keeping the journal as it is: %s", journal.path, exc)

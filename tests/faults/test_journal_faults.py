@@ -249,11 +249,11 @@ def test_an_unexpected_compaction_error_is_counted_and_the_compactor_keeps_servi
     assert journal is not None
     real, calls = catalog.compact_journal, {"n": 0}
 
-    def broken_once() -> bool:
+    def broken_once(force: bool = False) -> bool:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected: a bug in compaction")
-        return real()
+        return real(force)
 
     monkeypatch.setattr(catalog, "compact_journal", broken_once)
     before = journal.compactions

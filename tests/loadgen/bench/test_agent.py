@@ -31,7 +31,7 @@ def test_agent_benchmark_measures_every_point_side_by_side() -> None:
 def test_quick_mode_reports_every_summary_field_with_sane_values() -> None:
     """The issue's summary, every field measured (smaller than ``--quick``); values sane, not fast."""
     cfg = dataclasses.replace(ba.QUICK, seconds=0.2, index_keys=20_000, restart_bytes=(32 << 20, 64 << 20),
-                              soak_puts=1500)  # fmt: skip
+                              restart_keys=(("dsv4-flash", 3000), ("llama3-70b-tp4", 2000)), soak_puts=1500)  # fmt: skip
     report = ba.run(cfg, log=lambda _: None)
     s = report["summary"]
     assert set(ba.GOALS) <= set(s), set(ba.GOALS) - set(s)
@@ -47,11 +47,21 @@ def test_quick_mode_reports_every_summary_field_with_sane_values() -> None:
         assert r["scan_bytes"] == size  # the background scan checked every stored page
         assert 0 < r["restart_to_serving_s"] < 120
     assert s["restart_full_verify_bytes_per_s"] > 0
+    # Each restart point is named by what it measured, and each has the restart goal.
+    assert {n for n in s if n.startswith(ba.RESTART_PREFIX)} == {
+        "restart_to_serving_s_32mib", "restart_to_serving_s_64mib",
+        "restart_to_serving_s_3k_keys_dsv4_flash", "restart_to_serving_s_2k_keys_llama3_70b_tp4",
+    }  # fmt: skip
+    for r, (model, keys) in zip(report["restart_keys"], cfg.restart_keys, strict=True):
+        assert r["model"] == model and r["keys"] == r["recovered_pages"] == keys  # every key back
+        assert r["page_tokens"] == 64 and r["pool_bytes"] == keys * r["layers"] * r["page_layer_bytes"]
+        assert 0 < r["restart_to_serving_s"] < 120 and r["journal_bytes"] > keys * 16 and r["agent_rss_bytes"] > 0
+    assert report["restart_keys"][1]["page_layer_bytes"] == 64 * 1024  # Llama-3-70B, TP4: 1 KiB/token/layer
     assert 16 < s["index_bytes_per_key"] < 10_000 and report["index"]["keys"] == 20_000
     j = report["journal"]
     assert j["live_records"] > 0 and j["compacted_bytes"] < j["journal_bytes"]  # the soak churned
     assert s["journal_bytes_per_live_record"] == j["journal_bytes"] / j["live_records"]
     for name, g in report["goals"].items():
-        assert g["value"] == s[name] and (g["met"] is None) == (ba.GOALS.get(name) is None)
+        assert g["value"] == s[name] and (g["met"] is None) == (ba.goal_of(name) is None)
     table = ba.format_table(report)
     assert all(name in table for name in s)

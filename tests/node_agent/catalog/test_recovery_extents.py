@@ -124,6 +124,34 @@ def test_a_lost_free_over_part_of_an_extent_drops_the_older_scope(tmp_path: Path
     assert [s.extents for s in c.table.scopes.values()] == [[Extent(0, 2 * SPAN, SPAN)]]
 
 
+@pytest.mark.unit
+def test_a_key_published_again_belongs_to_its_last_scope_and_that_scopes_first_page(tmp_path: Path) -> None:
+    """Recovery works in columns; the pages whose owner is not their own record's scope are resolved
+    apart: "k" published by scope 1, then 2, then 1 again (twice in that record) belongs to scope 1, at
+    its first page of it (offset 0); scope 2 keeps its other key; "u" (published once) is untouched."""
+    c = catalog(None)
+    pub = {"t": "pub", "medium": int(Medium.SSD), "slots": []}
+
+    def record(scope: int, keys: list[str], offsets: list[int], file: int) -> dict[str, object]:
+        base = file * 8 * SPAN
+        return {**pub, "scope": scope, "keys": keys, "gva": [G.encode(Medium.SSD, 1, base + o * SPAN) for o in offsets],
+                "stride": [PAGE] * len(keys), "crc": [o + 10 * scope for o in offsets],
+                "ext": [[file, min(offsets) * SPAN, (max(offsets) - min(offsets) + 1) * SPAN]]}  # fmt: skip
+
+    j = Journal(tmp_path / "j.log", "never")
+    j.append(record(1, ["k", "u"], [0, 1], 0))
+    j.append(record(2, ["k", "v"], [0, 1], 1))
+    j.append(record(1, ["k", "k"], [2, 3], 0))
+    j.close()
+    r = recover(c, tmp_path / "j.log", None)
+    assert (r.pages, r.scopes, r.superseded_pages) == (3, 2, 3)  # k, u in scope 1; v in scope 2
+    found = c.table.find(["k", "u", "v"])
+    assert found.hit.tolist() == [True, True, True]
+    assert found.scope.tolist() == [1, 1, 2]
+    assert found.gva.tolist() == [G.encode(Medium.SSD, 1, o) for o in (0, SPAN, 9 * SPAN)]
+    assert found.crc.tolist() == [10, 11, 21]
+
+
 @pytest.mark.integration
 def test_ten_one_page_sessions_share_one_file_across_an_agent_restart(tmp_path: Path) -> None:
     config = small_config(tmp_path / "node", files=4, file_bytes=64 * 4 * 4096)
