@@ -126,6 +126,9 @@ _SPECS = [
     Spec(
         "flatcake_fenced_writes", "counter", (), "", "Puts refused before writing: allocated before an agent restart."
     ),
+    Spec(
+        "flatcake_fenced_reads", "counter", (), "", "Restores refused before reading: leased before an agent restart."
+    ),
     Spec("flatcake_write_bytes", "counter", ("kind",), "bytes", "Bytes written: logical, dram, ssd."),
     # Serving (the emulator, or an inference engine's scheduler hook).
     Spec("flatcake_requests", "counter", ("system",), "", "Requests served."),
@@ -309,6 +312,7 @@ STATS_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "write_errors": ("flatcake_io_errors", ("write",)),
     "verify_failures": ("flatcake_verify_failures", ()),
     "fenced_writes": ("flatcake_fenced_writes", ()),
+    "fenced_reads": ("flatcake_fenced_reads", ()),
     "index_lookups_shared": ("flatcake_index_lookups", ("shared",)),
     "index_lookups_agent": ("flatcake_index_lookups", ("agent",)),
 }

@@ -7,11 +7,17 @@ agent has handed to someone else. Instead it reads the epoch just before writing
 another epoch for the same reason.
 
 A write that passed that check and is still in flight when the agent restarts is fenced too: each
-write holds the epoch file shared (``flock``) from its check to its last byte (``writing``), and a new
+write holds the epoch file shared (``flock``) from its check to its last byte (``held``), and a new
 agent takes it exclusively before it raises the epoch (``advance``), so it begins only once the
-previous epoch's writes have landed; no later allocation can be overwritten by one. A write that
-does not finish within ``wait_s`` (a hung device) is logged and the agent starts anyway: the
-read-side checksums are then the only guard.
+previous epoch's writes have landed; no later allocation can be overwritten by one.
+
+Restores are fenced the same way: a lease pins its pages only while the agent that granted it lives,
+so a restore holds the epoch from its start to its close. A new agent (whose writers may reuse a
+page the restore is still copying: a DRAM page is not checksummed by default) begins only once it
+has ended, and a lease of an earlier epoch is refused before anything is read.
+
+A write or restore that does not finish within ``wait_s`` (a hung device, a restore never closed) is
+logged and the agent starts anyway: the read-side checksums are then the only guard.
 """
 
 from __future__ import annotations
@@ -51,9 +57,9 @@ def _read(fd: int) -> int:
 
 
 @contextlib.contextmanager
-def writing(directory: str | os.PathLike[str]) -> Iterator[int]:
-    """Hold the epoch for one write: yields the epoch now (0: no agent has started), and no new agent
-    begins its epoch until the block has ended. One open file a call: ``flock`` belongs to the open
+def held(directory: str | os.PathLike[str]) -> Iterator[int]:
+    """Hold the epoch for one write or one restore: yields the epoch now (0: no agent has started), and
+    no new agent begins its epoch until the block has ended. One open file a call: ``flock`` belongs to the open
     file, so threads sharing one would release each other's hold."""
     try:
         fd = os.open(Path(directory) / EPOCH_FILE, os.O_RDONLY)
@@ -69,7 +75,7 @@ def writing(directory: str | os.PathLike[str]) -> Iterator[int]:
 
 def advance(directory: str | os.PathLike[str], gid: int = -1, wait_s: float = 30.0) -> int:
     """Start a new epoch (one past the stored one) and make it durable; returns it. Waits (up to
-    ``wait_s``) for the writes of the previous epoch that are still in flight. Written in place
+    ``wait_s``) for the writes and restores of the previous epoch that are still in flight. Written in place
     (8 bytes, one sector) so a reader never sees the file missing."""
     path = Path(directory) / EPOCH_FILE
     created = not path.exists()
@@ -93,15 +99,17 @@ def _exclusive(fd: int, path: Path, wait_s: float) -> None:
         return
     except BlockingIOError:
         pass
-    log.warning("epoch %s: waiting up to %.0f s for the previous agent's writes in flight to land", path, wait_s)
+    log.warning("epoch %s: waiting up to %.0f s for the previous agent's writes and restores in flight to end",
+                path, wait_s)  # fmt: skip
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         time.sleep(0.01)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            log.info("epoch %s: the previous agent's writes have landed", path)
+            log.info("epoch %s: the previous agent's writes and restores have ended", path)
             return
         except BlockingIOError:
             continue
-    log.error("epoch %s: writes of the previous agent still in flight after %.0f s (a hung device?); starting "
-              "anyway: a page they overwrite is caught by its checksum when read", path, wait_s)  # fmt: skip
+    log.error("epoch %s: writes or restores of the previous agent still in flight after %.0f s (a hung device, a "
+              "restore never closed?); starting anyway: a page they overwrite or misread is caught by its checksum "
+              "where reads are checked (io.verify_reads)", path, wait_s)  # fmt: skip

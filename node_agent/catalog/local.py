@@ -63,6 +63,7 @@ class Lease:
     # Some page is not yet checked by the agent's post-restart scan: the reader checks every page it
     # reads (whatever io.verify_reads says), so a damaged page is a miss even before the scan finds it.
     verify: bool = False
+    epoch: int = 0  # the agent epoch that granted it (0: no agent): its pins end with that epoch
 
 
 class Catalog(Protocol):

@@ -22,10 +22,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from flatcake.errors import FencedError, FlatCakeError, PoolFullError, StorageWriteError, UnknownKeyError
+from flatcake.errors import (
+    FencedError,
+    FlatCakeError,
+    PoolFullError,
+    StorageWriteError,
+    UnknownHandleError,
+    UnknownKeyError,
+)
 from flatcake.node_agent.catalog import epoch as E
 from flatcake.node_agent.catalog.checksum import page_checksum
-from flatcake.node_agent.catalog.local import Allocation, Catalog, LocalCatalog
+from flatcake.node_agent.catalog.local import Allocation, Catalog, Lease, LocalCatalog
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.constants import ALIGN
 from flatcake.node_agent.datapath import gpu
@@ -191,7 +198,7 @@ class Engine:
             pages[...] = kv[:, new]
         try:
             # An agent's allocation: held against a restart from the epoch check to the last byte.
-            with E.writing(self.config.ssd.dir) if alloc.epoch else contextlib.nullcontext(0) as now:
+            with E.held(self.config.ssd.dir) if alloc.epoch else contextlib.nullcontext(0) as now:
                 self._fence(alloc, now)
                 self._write(alloc, pages)
         except FencedError:
@@ -294,20 +301,52 @@ class Engine:
         checker = self._check_target if paged else self._check_dest
         pages = checker(dest, len(keys), dest_pages)
         lease = self.catalog.acquire(keys)
+        hold = contextlib.ExitStack()
         try:
+            self._hold_epoch(lease, hold)
             at = _Located(self.config, lease.locations, np.asarray(pages, dtype=np.int64))
             mode = "all" if lease.verify else self.config.io.verify_reads
             want = np.asarray(lease.checksums, dtype=np.int64) if mode != "off" and lease.checksums else None
             self.stats.add("restores")
             self.stats.add("restore_pages_dram", len(at.dram_src))
             self.stats.add("restore_pages_ssd", len(at.ssd))
-            release = lambda: self.catalog.release(lease.id)  # noqa: E731
+
+            def release() -> None:
+                hold.close()  # the pages are copied: a restarted agent may begin
+                try:
+                    self.catalog.release(lease.id)
+                except (ConnectionError, UnknownHandleError):
+                    if not lease.epoch:
+                        raise
+                    # The agent that granted the lease went away (a new one does not know it): its pins
+                    # ended with it, and the epoch held above kept the pages ours while they were copied.
+
             if on_gpu:
                 return self._get_device(dest, at, want, mode, release)
             return self._get_host(dest, at, want, mode, release)
-        except BaseException:
-            self.catalog.release(lease.id)
+        except FencedError:
+            with hold, contextlib.suppress(FlatCakeError, ConnectionError, OSError):  # the old agent is gone
+                self.catalog.release(lease.id)
             raise
+        except BaseException:
+            with hold:
+                self.catalog.release(lease.id)
+            raise
+
+    def _hold_epoch(self, lease: Lease, hold: contextlib.ExitStack) -> None:
+        """A restore under an agent's lease holds the agent's epoch until it closes (catalog/epoch.py):
+        a restarted agent, whose writers could reuse a page still being copied, begins only after it.
+        A lease granted in an earlier epoch is refused before anything is read: its pins ended with the
+        agent that granted it, so its pages may already hold other bytes."""
+        if not lease.epoch:
+            return
+        now = hold.enter_context(E.held(self.config.ssd.dir))
+        if now != lease.epoch:
+            self.stats.add("fenced_reads")
+            raise FencedError(
+                f"epoch: lease {lease.id} was granted in agent epoch {lease.epoch}, the agent is now in epoch {now} "
+                "(it restarted); nothing was read, look the keys up again"
+            )
 
     def _get_host(
         self, dest: Any, at: _Located, want: Ints | None, mode: str, release: Callable[[], None]

@@ -191,7 +191,7 @@ class RemoteCatalog:
     def acquire(self, keys: Sequence[Key]) -> Lease:
         r = self.conn.call("acquire", keys=list(keys))
         locs = [Location(*x) for x in zip(r["scope"], r["gva"], r["stride"], strict=True)]
-        return Lease(r["id"], locs, list(r.get("crc", [])), bool(r.get("verify", False)))
+        return Lease(r["id"], locs, list(r.get("crc", [])), bool(r.get("verify", False)), int(r.get("epoch", 0)))
 
     def release(self, lease_id: int) -> None:
         self.conn.call("release", id=lease_id, stats=self._delta())

@@ -230,7 +230,7 @@ class Agent:
         lease = self.catalog.acquire(P.keys_arg(args))
         session.leases.add(lease.id)
         return {"id": lease.id, **_columns(lease.locations, scope=0, gva=1, stride=2), "crc": lease.checksums,
-                "verify": lease.verify}  # fmt: skip
+                "verify": lease.verify, "epoch": self.epoch}  # fmt: skip
 
     def op_release(self, session: Session, args: dict[str, Any]) -> None:
         lease_id = _owned(session.leases, P.int_arg(args, "id"), "lease")

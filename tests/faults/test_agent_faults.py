@@ -150,6 +150,81 @@ def test_a_write_in_flight_at_a_restart_lands_before_the_new_epoch_begins(
         agents[-1].stop()
 
 
+@pytest.mark.parametrize("hints", [SSD, DRAM], ids=["ssd", "dram"])
+def test_a_restore_in_flight_at_a_restart_ends_before_the_new_epoch_begins(
+    tmp_path: Path, hints: Hints, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The read side of the fence: a restore is open (its lease granted, its pages not yet copied) when
+    the agent restarts. The new agent, whose writers could reuse those pages (a DRAM page is not
+    checksummed by default), begins only once the restore has closed, and the restore reads its
+    pages bit-exact."""
+    config = small_config(tmp_path / "node", files=4, dram_bytes=4 * 4 * 4096)
+    agents = [AgentThread(config)]
+    reader = connect(config.agent.socket)
+    keys = ["r-0", "r-1"]
+    put(reader, keys, hints)
+    dest = np.zeros((4, len(keys), 4096), np.uint8)
+    restore = reader.get(keys, dest)  # holds the epoch until closed
+    old_epoch = agents[0].agent.epoch
+    agents[0].stop()
+    caplog.set_level("INFO", logger="flatcake.node_agent.catalog.epoch")
+    restarting = threading.Thread(target=lambda: agents.append(AgentThread(config)))
+    restarting.start()
+    try:
+        wait_until(lambda: "waiting up to" in caplog.text, what="the new agent to wait for the restore in flight")
+        assert E.current(config.ssd.dir) == old_epoch  # not raised while the restore is open
+        with restore:
+            missing = restore.run()
+        restarting.join(60)
+        assert not restarting.is_alive() and agents[1].agent.epoch == old_epoch + 1
+        assert missing == [] or not len(missing)
+        for j, key in enumerate(keys):
+            assert np.array_equal(dest[:, j], expected(key)), f"{key}: wrong bytes restored"
+    finally:
+        if restarting.is_alive():
+            restore.close()
+            restarting.join(60)
+        reader.io.close()
+        agents[-1].stop()
+
+
+@pytest.mark.parametrize("hints", [SSD, DRAM], ids=["ssd", "dram"])
+def test_a_lease_granted_before_a_restart_is_refused_before_anything_is_read(tmp_path: Path, hints: Hints) -> None:
+    """The agent restarts between a reader's lease and its restore, and a new writer is given the very
+    space the lease named. The restore is refused (a miss for the caller), the destination untouched;
+    without the fence it would have copied the new writer's bytes as the old keys' pages."""
+    # Room for two pages on each medium: the new writer's pages must take the old ones' space.
+    config = small_config(tmp_path / "node", files=1, file_bytes=2 * 4 * 4096, dram_bytes=2 * 4 * 4096)
+    agents = [AgentThread(config)]
+    reader = connect(config.agent.socket)
+    put(reader, ["old-0", "old-1"], hints)
+    real_acquire = reader.catalog.acquire
+    seen: dict[str, object] = {}
+
+    def acquire_then_restart(keys: object) -> object:
+        lease = real_acquire(keys)  # type: ignore[arg-type]
+        agents[0].stop()
+        agents.append(AgentThread(config))
+        with connect(config.agent.socket) as other:  # no pin survives the restart: reclaim reuses the space
+            put(other, ["new-0", "new-1"], hints)
+            seen["new"] = other.catalog.conn.call("lookup", keys=["new-0", "new-1"])  # type: ignore[attr-defined]
+        seen["lease"] = lease
+        return lease
+
+    reader.catalog.acquire = acquire_then_restart  # type: ignore[method-assign]
+    dest = np.zeros((4, 2, 4096), np.uint8)
+    try:
+        with pytest.raises(FencedError, match="restarted"):
+            reader.get(["old-0", "old-1"], dest)
+        assert reader.stats.get("fenced_reads") == 1 and not dest.any()
+        # The fault was real: the new pages lie where the stale lease pointed.
+        stale = {loc.gva for loc in seen["lease"].locations}  # type: ignore[attr-defined]
+        assert set(seen["new"]["gva"]) == stale  # type: ignore[index]
+    finally:
+        reader.io.close()
+        agents[-1].stop()
+
+
 def test_the_agent_refuses_to_publish_an_allocation_of_another_epoch(agent_thread: Start) -> None:
     a = agent_thread()
     assert E.current(a.config.ssd.dir) == a.agent.epoch >= 1
