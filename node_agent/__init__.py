@@ -55,7 +55,7 @@ if TYPE_CHECKING:
         UnknownKeyError,
     )
     from flatcake.node_agent.catalog.local import LocalCatalog
-    from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, slots_for
+    from flatcake.node_agent.catalog.shared_index import SharedIndexWriter
     from flatcake.node_agent.config import (
         AgentConfig,
         DramConfig,
@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from flatcake.node_agent.datapath.restore import Restore
     from flatcake.node_agent.policy.coalesce import plan_restore
     from flatcake.node_agent.policy.gva import SSD_THRESHOLD, Medium, needs_ssd
+    from flatcake.node_agent.policy.keyindex import slots_for
     from flatcake.node_agent.policy.placement import Decision, Hints, Key, Reason, decide
     from flatcake.node_agent.policy.scheduler import Request, Scheduler, hrrn
     from flatcake.node_agent.policy.scopes import Location, ScopeTable
@@ -128,7 +129,7 @@ _EXPORTS = {
     "SchedulerConfig": "flatcake.node_agent.config",
     "ScopeTable": "flatcake.node_agent.policy.scopes",
     "SharedIndexWriter": "flatcake.node_agent.catalog.shared_index",
-    "slots_for": "flatcake.node_agent.catalog.shared_index",
+    "slots_for": "flatcake.node_agent.policy.keyindex",
     "spawn": "flatcake.node_agent.service.main",
     "SSD_THRESHOLD": "flatcake.node_agent.policy.gva",
     "SsdConfig": "flatcake.node_agent.config",

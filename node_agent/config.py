@@ -124,7 +124,7 @@ class AgentConfig:
     metrics_port: int = 9470  # /metrics, /healthz, /readyz
     http_timeout_s: float = 5.0  # an HTTP connection silent this long is closed
     http_max_connections: int = 64  # HTTP connections served at once; more are closed at accept
-    journal_fsync: str = "interval"  # always | interval | never (see node_agent/journal.py)
+    journal_fsync: str = "interval"  # always | interval | never (see catalog/journal.py)
     journal_fsync_ms: int = 100
     # Online compaction: rewrite the journal as the live records (clients go on meanwhile) once it is
     # this many times its size after the last compaction, and at least journal_compact_bytes.

@@ -48,7 +48,7 @@ STREAMS_LAYERS = ("flatcake-engine",)
 FLATCAKE = "flatcake-engine"  # the system the ratios compare against (keys keep "flatcake_vs_...")
 CHUNK_TOKENS = 8192  # the session is stored as a chunked prefill stores it: one put per chunk
 HOST_TO_GPU = "host->GPU copy not modelled (25-32 GB/s on PCIe 4/5 x16)"
-# The paper's Figure 10 (Llama-3.1-70B TP4 on A100, 8K-128K inputs): DESIGN.md section 2.
+# The paper's Figure 10 (Llama-3.1-70B TP4 on A100, 8K-128K inputs), as docs/benchmarks.md quotes it.
 PAPER: dict[str, Any] = {
     "setup": "Llama-3.1-70B, TP4, A100; 8K-128K inputs",
     "flatcake_vs_recompute": [2.3, 4.9],

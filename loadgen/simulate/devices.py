@@ -32,7 +32,7 @@ class DeviceProfile:
 
 
 PROFILES = {
-    # This VM (docs/benchmarks.md, DESIGN.md §4): fio 1 MiB O_DIRECT sequential reads with 2 jobs 1.0-1.16
+    # This VM (docs/benchmarks.md): fio 1 MiB O_DIRECT sequential reads with 2 jobs 1.0-1.16
     # GB/s; 4 KiB at queue depth 1 ~13.5K IOPS (74 us a command); FlatCake's durable writes 1.26 GB/s
     # (bench peers); two I/O workers. No GPU: H2D is PCIe 4.0 x16's usual 25 GB/s.
     "this-vm": DeviceProfile(

@@ -46,8 +46,6 @@ from flatcake.node_agent.policy.keyindex import (
     _SLOTS,
     _TOMBS,
     HEADER_BYTES,
-    MAX_PROBE,
-    MIN_SLOTS,
     SLOT,
     U64,
     KeyIndex,
@@ -73,7 +71,7 @@ def seqlock_safe(machine: str | None = None) -> bool:
     return (platform.machine() if machine is None else machine).lower() in TSO_MACHINES
 
 
-__all__ = ["MAX_PROBE", "MIN_SLOTS", "SharedIndexReader", "SharedIndexWriter", "hash_keys", "slots_for"]
+__all__ = ["TSO_MACHINES", "SharedIndexReader", "SharedIndexWriter", "seqlock_safe"]
 
 MAGIC = 0x32584449_4B434643  # "FCKCIDX2" little-endian (2: 128-bit digests, 32-bit sequence numbers)
 

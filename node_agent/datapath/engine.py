@@ -25,10 +25,8 @@ import numpy.typing as npt
 from flatcake.errors import (
     FencedError,
     FlatCakeError,
-    PoolFullError,
     StorageWriteError,
     UnknownHandleError,
-    UnknownKeyError,
 )
 from flatcake.node_agent.catalog import epoch as E
 from flatcake.node_agent.catalog.checksum import page_checksum
@@ -53,7 +51,7 @@ from flatcake.node_agent.policy.scopes import ScopeTable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "Hints", "PoolFullError", "PutResult", "StorageWriteError", "UnknownKeyError"]
+__all__ = ["Engine", "PutResult", "local_table"]
 
 
 @dataclass(frozen=True)

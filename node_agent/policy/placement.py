@@ -1,4 +1,4 @@
-"""Write-time placement by reuse scope (FC-GVA, DESIGN.md Table 2). Pure decision logic, no I/O.
+"""Write-time placement by reuse scope (FC-GVA, the paper's Table 2; docs/architecture.md). Pure decision logic, no I/O.
 
 A page is placed once, when it is written, and never migrates. The signals are what the serving
 engine knows at write time; the decision picks the medium whose cost matches how the page will be

@@ -38,11 +38,12 @@ from flatcake.node_agent.catalog.files import resolve_gid, share_path
 from flatcake.node_agent.catalog.journal import Journal
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.catalog.recovery import Recovered, close_fds, page_crc_reader, recover, scan
-from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, seqlock_safe, slots_for
+from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, seqlock_safe
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.datapath.dram_pool import DramPool
 from flatcake.node_agent.datapath.engine import local_table
 from flatcake.node_agent.datapath.file_pool import create_pool
+from flatcake.node_agent.policy.keyindex import slots_for
 from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.policy.scopes import Location
 from flatcake.node_agent.service import http

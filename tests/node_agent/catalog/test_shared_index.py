@@ -35,22 +35,22 @@ keys_st = st.lists(
 def test_a_key_hashes_alike_in_every_batch(keys: list) -> None:
     """Writer and readers hash different batches; a key's hash must not depend on its company (the
     vectorised fast paths for equal-length str and for int agree with the general one)."""
-    alone = [S.hash_keys([k]) for k in keys]
-    together = S.hash_keys(keys)
+    alone = [keyindex.hash_keys([k]) for k in keys]
+    together = keyindex.hash_keys(keys)
     assert together is not None
     for i, one in enumerate(alone):
         assert one is not None
         assert (one[0][0], one[1][0]) == (together[0][i], together[1][i])
     same_length = [f"{i:040x}" for i in range(50)]
-    fast, general = S.hash_keys(same_length), S.hash_keys([*same_length, b"odd one"])
+    fast, general = keyindex.hash_keys(same_length), keyindex.hash_keys([*same_length, b"odd one"])
     assert fast is not None and general is not None
     assert np.array_equal(fast[0], general[0][:50]) and np.array_equal(fast[1], general[1][:50])
 
 
 def test_str_bytes_and_int_keys_do_not_collide() -> None:
-    h = S.hash_keys(["1", b"1", 1, "", b"", 0])
+    h = keyindex.hash_keys(["1", b"1", 1, "", b"", 0])
     assert h is not None and len(set(zip(h[0].tolist(), h[1].tolist(), strict=True))) == 6
-    assert S.hash_keys([1.5]) is None  # not a key type: the caller asks the agent
+    assert keyindex.hash_keys([1.5]) is None  # not a key type: the caller asks the agent
 
 
 def loc(i: int, version: int = 0) -> Location:
@@ -106,7 +106,7 @@ def test_a_slot_left_mid_write_makes_the_reader_ask_the_agent(tmp_path: Path) ->
     w = S.SharedIndexWriter(tmp_path / "idx", 1024)
     w.insert(["a"], [loc(1)])
     r = S.SharedIndexReader(tmp_path / "idx")
-    h = S.hash_keys(["a"])
+    h = keyindex.hash_keys(["a"])
     assert h is not None
     w.t.seq[int(h[0][0] & w.t.mask)] += np.uint64(1)  # a writer killed between its two increments
     assert r.find(["a"]) is None
@@ -218,7 +218,7 @@ def test_a_reader_never_takes_a_slot_the_writer_is_between_two_stores_of(step: s
     index = S.SharedIndexWriter(tmp_path / "idx", 1024)
     old, new = loc(5, 1), loc(5, 2)
     index.insert(["k"], [old])
-    d = S.hash_keys(["k"])
+    d = keyindex.hash_keys(["k"])
     assert d is not None
     before = index.find(d)
     assert before is not None and before.hit[0]
