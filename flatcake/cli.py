@@ -599,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     emulate.add_argument(
         "--scheduler",
         choices=SCHEDULER_POLICIES,
-        help="flatcake mode: how requests are ordered (default: the node agent's scheduler.policy, else mas)",
+        help="flatcake mode: how requests are ordered: mas (FC-MAS, default) or fcfs (the ablation)",
     )
     emulate.add_argument("--placement", choices=PLACEMENT_MODES,
                          help="flatcake mode, in-process engine: Table 2 (table2, default) or adaptive")  # fmt: skip

@@ -62,7 +62,6 @@ if TYPE_CHECKING:
         EngineConfig,
         IOConfig,
         PlacementConfig,
-        SchedulerConfig,
         SsdConfig,
     )
     from flatcake.node_agent.datapath.buffers import ThreadBuffers, aligned_empty, round_up
@@ -126,7 +125,6 @@ _EXPORTS = {
     "Restore": "flatcake.node_agent.datapath.restore",
     "round_up": "flatcake.node_agent.datapath.buffers",
     "Scheduler": "flatcake.node_agent.policy.scheduler",
-    "SchedulerConfig": "flatcake.node_agent.config",
     "ScopeTable": "flatcake.node_agent.policy.scopes",
     "SharedIndexWriter": "flatcake.node_agent.catalog.shared_index",
     "slots_for": "flatcake.node_agent.policy.keyindex",
@@ -189,7 +187,6 @@ __all__ = [
     "Request",
     "Restore",
     "Scheduler",
-    "SchedulerConfig",
     "ScopeTable",
     "SharedIndexWriter",
     "SsdConfig",

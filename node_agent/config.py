@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +24,11 @@ from flatcake.node_agent.constants import (
     MAX_FRAME,
     MAX_NODE_ID,
     PLACEMENT_MODES,
-    SCHEDULER_POLICIES,
     VERIFY_READS,
     watermark_problem,
 )
+
+log = logging.getLogger(__name__)
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -146,13 +148,6 @@ class AgentConfig:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """Handed to clients at registration: how they order restores (FC-MAS, or FCFS for ablation)."""
-
-    policy: str = "mas"  # SCHEDULER_POLICIES: mas | fcfs
-
-
-@dataclass(frozen=True)
 class ClusterConfig:
     """Set by the operator; all empty when the agent runs outside Kubernetes."""
 
@@ -175,7 +170,6 @@ class EngineConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
@@ -248,7 +242,6 @@ class EngineConfig:
         if self.prepare.devices and not Path(self.ssd.dir).is_relative_to(self.prepare.mount):
             raise ConfigError(f"ssd.dir: {self.ssd.dir} must lie under prepare.mount ({self.prepare.mount}) "
                              "when prepare.devices are given")  # fmt: skip
-        _one_of(self.scheduler.policy, SCHEDULER_POLICIES, "scheduler.policy")
         if self.cluster.cache and not self.cluster.namespace:
             raise ConfigError("cluster.namespace: required with cluster.cache (the FlatCakeCache's namespace)")
         if self.cluster.report_interval_s <= 0:
@@ -261,6 +254,10 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        if isinstance(data, dict) and RETIRED.keys() & data.keys():
+            for name in sorted(RETIRED.keys() & data.keys()):
+                log.warning("config: %s is no longer a configuration field (%s); ignored", name, RETIRED[name])
+            data = {k: v for k, v in data.items() if k not in RETIRED}
         return _build(cls, data, "")
 
     @classmethod
@@ -285,6 +282,14 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Fields earlier versions rendered, accepted and ignored (with a warning) so an agent upgraded before its
+# operator still starts: the reason each left.
+RETIRED = {
+    "scheduler": "request ordering is the serving engine's: FC-MAS runs in flatcake emulate --scheduler, "
+    "SGLang's own scheduler orders a real server's requests",
+}
 
 
 # What a configuration file must give: no default fits every model (the geometry) or node (the pool).

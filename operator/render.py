@@ -172,7 +172,6 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
             "wipe": wipe,
             "restart_kubelet": spec.restart_kubelet,
         },
-        "scheduler": {"policy": spec.scheduler},
         "cluster": {
             "cache": cache.name,
             "namespace": cache.namespace,
@@ -205,7 +204,6 @@ SPEC_FIELDS = {
     "placement.agent_reply_tokens": "spec.placement.agentReplyTokens",
     "placement.short_reply_tokens": "spec.placement.shortReplyTokens",
     "agent.metrics_port": "spec.metrics.port",
-    "scheduler.policy": "spec.scheduler.policy",
 }
 
 

@@ -170,7 +170,6 @@ class CacheSpec:
     staging_layers: int
     staging_slot_bytes: int
     streams: int
-    scheduler: str
     metrics_port: int
     service_monitor: bool
     service_monitor_labels: dict[str, str]
@@ -251,7 +250,6 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
         staging_layers=r.get("io.stagingLayers", int),
         staging_slot_bytes=r.get("io.stagingSlotBytes", int),
         streams=r.get("io.streams", int),
-        scheduler=r.get("scheduler.policy", str),
         metrics_port=r.get("metrics.port", int),
         service_monitor=r.get("metrics.serviceMonitor.enabled", bool, True),
         service_monitor_labels=dict(r.get("metrics.serviceMonitor.labels", dict, {})),

@@ -34,8 +34,7 @@ class EmulatorConfig:
     scope_file_bytes: int = 8 * MiB  # FlatCake: one session scope's file
     prefill_tokens_per_s: float = 100_000.0  # without a model preset
     decode_tokens_per_s: float = 200.0  # without a model preset
-    # flatcake only (the tiered modes are FCFS as SGLang schedules); None: the node agent's
-    # scheduler.policy when connected to one, else mas
+    # flatcake only (the tiered modes are FCFS as SGLang schedules): mas (None: the default) or fcfs
     scheduler: str | None = None
     prefetch_policy: str = hicache.DEFAULT_PREFETCH_POLICY  # tiered: SGLang's prefetch stop policy
     prefetchers: int = 2  # flatcake: concurrent SSD prefetches

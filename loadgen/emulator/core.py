@@ -53,7 +53,6 @@ from flatcake.loadgen.overlap import latest, prefill_end
 from flatcake.loadgen.systems import hicache
 from flatcake.node_agent import (
     ChainSignals,
-    Engine,
     Request,
     Scheduler,
     aligned_empty,
@@ -96,17 +95,13 @@ class Outcome:
         return sum(self.hit_pages.values()) * page_tokens
 
 
-def scheduler_policy(cfg: EmulatorConfig, engine: Engine | None) -> str:
-    """How FlatCake orders requests: as chosen, else as its node agent hands clients at registration
-    (``scheduler.policy``: a cluster's setting reaches the serving side), else FC-MAS. The other
-    modes are FCFS, as SGLang schedules."""
+def scheduler_policy(cfg: EmulatorConfig) -> str:
+    """How FlatCake orders requests: as chosen (``--scheduler``), else FC-MAS. The other modes are
+    FCFS, as SGLang schedules. A benchmark setting, not the agent's: a real server's requests are
+    ordered by its own scheduler."""
     if cfg.mode != "flatcake":
         return "fcfs"
-    if cfg.scheduler is not None:
-        return cfg.scheduler
-    if cfg.agent_socket and engine is not None:
-        return engine.config.scheduler.policy
-    return "mas"
+    return cfg.scheduler or "mas"
 
 
 class Emulator:
@@ -119,7 +114,7 @@ class Emulator:
         # Write-time signals as SGLang's backend derives them from the key chains it is shown (lookups
         # at arrival, write-backs after prefill): the backend's own ChainSignals.
         self.signals = ChainSignals()
-        self.sched = Scheduler(scheduler_policy(cfg, self.storage.engine))
+        self.sched = Scheduler(scheduler_policy(cfg))
         # Tiered (SGLang HiCache): the FCFS waiting queue, the tokens in flight in prefetches
         # (prefetch_tokens_occupied) against half the host pool, and the one prefetch I/O thread.
         self.sglang_like = cfg.mode in ("tiered", "dram")

@@ -55,4 +55,3 @@ def test_the_crd_offers_exactly_the_vocabularies_the_agent_accepts() -> None:
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     assert tuple(spec["dram"]["properties"]["hugepageSize"]["enum"]) == C.HUGEPAGE_SIZES
     assert tuple(spec["io"]["properties"]["backend"]["enum"]) == C.IO_BACKENDS
-    assert tuple(spec["scheduler"]["properties"]["policy"]["enum"]) == C.SCHEDULER_POLICIES

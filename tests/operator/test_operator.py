@@ -299,7 +299,7 @@ async def test_schema_rejects_what_it_can_express(cluster: Cluster) -> None:
     for bad in (
         {"ssd": {"devices": ["/dev/nvme0n1"], "fileCount": 0}},
         {"dram": {"size": "lots"}},
-        {"scheduler": {"policy": "lifo"}},
+        {"placement": {"mode": "lifo"}},
         {"kv": {"pageBytes": 5000}},
     ):
         body = cache_body(**bad)
