@@ -213,7 +213,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from flatcake.loadgen.simulate import report as sr
+    from flatcake.loadgen.simulate import results as sr
     from flatcake.loadgen.simulate import run as sim
 
     if args.validate:
@@ -578,7 +578,12 @@ def build_parser() -> argparse.ArgumentParser:
     emulate.add_argument("--port", type=_port, default=8000, help="TCP port, 0..65535 (0: a free one)")
     emulate.add_argument("--data-dir", dest="data_dir", default=".flatcake-emulator", help="where the pools go")
     emulate.add_argument("--agent-socket", dest="agent_socket", help="flatcake mode: use this node agent")
-    emulate.add_argument("--model", help="model preset: KV geometry and GPU costs (dsv4-flash, llama3-70b-tp4)")
+    emulate.add_argument(
+        "--preset",
+        "--model",  # the old name: a served model's name is what --model means to an inference server
+        dest="model",
+        help="geometry preset: KV geometry and GPU costs (dsv4-flash, llama3-70b-tp4), not a served model's name",
+    )
     emulate.add_argument("--gpu", help="the modelled GPU with --model: h200 (default) or a100")
     emulate.add_argument(
         "--prefetch-policy",

@@ -128,8 +128,8 @@ class ModelPreset:
         return round_up(self.raw_page_layer_bytes)
 
     @property
-    def page_bytes(self) -> int:
-        """One page of all layers."""
+    def span_bytes(self) -> int:
+        """One page of all layers (``page_bytes`` everywhere else means one layer's: ``page_layer_bytes``)."""
         return self.layers * self.page_layer_bytes
 
 

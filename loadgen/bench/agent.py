@@ -377,7 +377,7 @@ def restart_at_keys(model: str, keys: int, root: Path, log: Callable[[str], None
     from starting the process to the first answered lookup, and the agent's resident memory then."""
     root.mkdir(parents=True, exist_ok=True)
     preset = dataclasses.replace(PRESETS[model], page_tokens=64)
-    span = preset.page_bytes
+    span = preset.span_bytes
     file_bytes = 1 << 40
     cfg = dataclasses.replace(
         _restart_config(root, keys * span),

@@ -33,7 +33,7 @@ from flatcake.loadgen.replay.requests import prompt_tokens
 from flatcake.loadgen.replay.run import LoadgenConfig
 from flatcake.loadgen.replay.run import run as run_locust
 from flatcake.loadgen.report import build as R
-from flatcake.loadgen.systems import hicache
+from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.loadgen.traces import slices
 from flatcake.loadgen.traces import stats as trace_stats
 from flatcake.loadgen.traces.formats import BUNDLED_TRACE, TraceRequest, read_trace

@@ -81,7 +81,7 @@ class PeersConfig:
     def per_turn(self, model: ModelPreset) -> int:
         if self.pages_per_turn is not None:
             return self.pages_per_turn
-        return max(1, self.budget_bytes // (self.sessions * self.turns * model.page_bytes))
+        return max(1, self.budget_bytes // (self.sessions * self.turns * model.span_bytes))
 
 
 QUICK = PeersConfig(sessions=4, turns=3, budget_bytes=200 * MiB, repeats=1)
@@ -102,7 +102,7 @@ class Workload:
         longest = max(len(s.pages) for s in self.sessions)
         return SystemSpec(
             layers=self.model.layers, page_bytes=self.model.page_layer_bytes, page_tokens=self.model.page_tokens,
-            sessions=len(self.sessions), session_bytes=longest * self.model.page_bytes, workers=cfg.workers,
+            sessions=len(self.sessions), session_bytes=longest * self.model.span_bytes, workers=cfg.workers,
             dram_fraction=cfg.dram_fraction, flush_dram=False, mla=self.model.mla,
         )  # fmt: skip
 
@@ -327,12 +327,12 @@ def run(
     pages = sum(len(s.pages) for s in w.sessions)
     log(
         f"workload: {len(w.sessions)} sessions, {pages} pages restored ({w.unique_pages()} stored) of {m.layers} x "
-        f"{m.page_layer_bytes} B ({m.name}), {pages * m.page_bytes / MiB:.0f} MiB per system, in {directory}"
+        f"{m.page_layer_bytes} B ({m.name}), {pages * m.span_bytes / MiB:.0f} MiB per system, in {directory}"
     )
     # fio reads as FlatCake does: commands of FlatCake's mean read size, `workers` at a time. That size is
     # known once a FlatCake system has run (FC-CIO merges a segment's layers as far as a slot allows);
     # until then, one turn's pages of one layer.
-    fio = SequentialReadLimit(directory, cfg.workers, pages * m.page_bytes, cfg.repeats * len(cfg.systems),
+    fio = SequentialReadLimit(directory, cfg.workers, pages * m.span_bytes, cfg.repeats * len(cfg.systems),
                               round_up(cfg.per_turn(m) * m.page_layer_bytes))  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.systems}
     chunk = 0
@@ -362,7 +362,7 @@ def run(
             "page_layer_bytes": m.page_layer_bytes, "raw_page_layer_bytes": m.raw_page_layer_bytes,
             "sessions": len(w.sessions), "turns": [len(s.turns) for s in w.sessions], "restored_pages": pages,
             "stored_pages": w.unique_pages(), "restored_bytes": pages * w.raw_page_bytes,
-            "dram_budget_bytes": int(cfg.dram_fraction * w.spec(cfg).total_pages) * m.page_bytes,
+            "dram_budget_bytes": int(cfg.dram_fraction * w.spec(cfg).total_pages) * m.span_bytes,
             "dropped_caches": any(r.get("dropped_caches") for rs in runs.values() for r in rs),
             "trace": cfg.trace, "repeats": cfg.repeats, "source": m.source,
         },

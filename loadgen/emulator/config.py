@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from flatcake.errors import ConfigError
 from flatcake.loadgen.models import ModelPreset, gpu_profile, preset
-from flatcake.loadgen.systems import hicache
+from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.node_agent.constants import PLACEMENT_MODES, SCHEDULER_POLICIES
 
 MODES = ("flatcake", "tiered", "dram", "none")

@@ -13,7 +13,7 @@ one, ``tokens / prefill_tokens_per_s``. One GPU runs one prefill at a time; deco
 ``hbm_bytes``.
 
 Hits are delivered hits: tokens whose KV is in HBM before prefill starts. ``tiered`` follows SGLang
-HiCache (loadgen/systems/hicache.py cites the code): at admission the span found in storage beyond the
+HiCache (loadgen/systems/hicache_rules.py cites the code): at admission the span found in storage beyond the
 host tier is prefetched by one I/O thread in 128-page batches, unless the tokens already in flight
 reach half the host pool (then it is declined and retried at later scheduling passes); the FCFS
 scheduler skips a request whose prefetch may not stop yet under the stop policy (``best_effort``,
@@ -50,7 +50,7 @@ from flatcake import metrics as M
 from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.emulator.storage import Storage
 from flatcake.loadgen.overlap import latest, prefill_end
-from flatcake.loadgen.systems import hicache
+from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.node_agent import (
     ChainSignals,
     Request,

@@ -16,9 +16,9 @@ from flatcake.errors import ConfigError
 from flatcake.loadgen import names
 from flatcake.loadgen.models import gpu_profile, preset
 from flatcake.loadgen.simulate import devices, workload
+from flatcake.loadgen.simulate.cluster import SYSTEMS, Cluster, Record, System, make
 from flatcake.loadgen.simulate.events import EventLoop
-from flatcake.loadgen.simulate.systems import SYSTEMS, Cluster, Record, System, make
-from flatcake.loadgen.systems import hicache
+from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.loadgen.traces.formats import BUNDLED_TRACE
 from flatcake.node_agent import PlacementConfig
 from flatcake.node_agent.constants import SCHEDULER_POLICIES
@@ -98,7 +98,7 @@ def cluster(cfg: SimConfig) -> Cluster:
     width = p.compute.ranks if p.compute is not None else 1
     if cfg.gpus_per_node % width:
         raise ConfigError(f"--gpus-per-node: {cfg.gpus_per_node} is not a multiple of {cfg.model}'s {width} ranks")
-    span = p.page_bytes
+    span = p.span_bytes
     hbm = cfg.hbm_bytes if cfg.hbm_bytes is not None else p.hbm_kv_bytes(cfg.gpu)
     if hbm < span:
         raise ConfigError(f"--hbm: {hbm} bytes hold less than one page ({span} bytes per rank)")

@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from flatcake.loadgen.systems.base import Array, MiB, RequestTiming, RestoreCounters, StoreSystem, SystemSpec
-from flatcake.loadgen.systems.hicache import STORAGE_BATCH_PAGES
+from flatcake.loadgen.systems.hicache_rules import STORAGE_BATCH_PAGES
 from flatcake.node_agent import Key, PosixDirectIO, aligned_empty, create_pool
 
 READERS = ("whole_page", "page_layer")

@@ -8,7 +8,7 @@ import pytest
 from flatcake.errors import ConfigError
 from flatcake.loadgen import names
 from flatcake.loadgen.bench import context, e2e, peers
-from flatcake.loadgen.simulate import systems as simulated
+from flatcake.loadgen.simulate import cluster as simulated
 from flatcake.loadgen.systems import SYSTEMS
 
 pytestmark = pytest.mark.unit

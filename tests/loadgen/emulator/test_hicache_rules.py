@@ -17,7 +17,7 @@ import pytest
 
 from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.emulator.core import Emulator, Outcome, page_keys
-from flatcake.loadgen.systems import hicache
+from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.node_agent import Hints, aligned_empty
 from tests.support.waiting import async_wait_until
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from flatcake.loadgen.models import preset
+from flatcake.loadgen.simulate.cluster import FlatCake, Tiered
 from flatcake.loadgen.simulate.run import GiB, MiB, simulate
-from flatcake.loadgen.simulate.systems import FlatCake, Tiered
-from flatcake.loadgen.systems import hicache
+from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.loadgen.traces.formats import TraceRequest, write_trace
 from flatcake.node_agent import Medium, PlacementConfig, ScopeTable, decide
 from tests.support.sims import small

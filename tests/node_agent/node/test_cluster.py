@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from flatcake.node_agent.config import ClusterConfig
+from flatcake.node_agent.node import cluster as R
 from flatcake.node_agent.node import prepare as P
-from flatcake.node_agent.node import report as R
 from flatcake.node_agent.service.server import Agent
 from tests.support.engines import small_config
 from tests.support.waiting import wait_until

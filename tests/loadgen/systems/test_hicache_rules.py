@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flatcake.loadgen.systems import hicache
+from flatcake.loadgen.systems import hicache_rules as hicache
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,7 @@ from flatcake.loadgen.simulate.devices import Device, DeviceProfile
 from flatcake.loadgen.simulate.events import EventLoop
 from flatcake.loadgen.simulate.hbm import HbmCache
 from flatcake.loadgen.simulate.workload import SimRequest, route
-from flatcake.loadgen.systems import hicache
+from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.node_agent import (
     SSD_THRESHOLD,
     ChainSignals,
@@ -419,7 +419,7 @@ class FlatCake(System):
 
 
 class Tiered(System):
-    """SGLang HiCache's rules (loadgen/systems/hicache.py): FCFS, prefetch at admission in 128-page batches
+    """SGLang HiCache's rules (loadgen/systems/hicache_rules.py): FCFS, prefetch at admission in 128-page batches
     by one I/O thread, declined at half the host pool in flight, stopped by the timeout policy."""
 
     def __init__(self, c: Cluster, loop: EventLoop, l3: bool) -> None:
