@@ -9,7 +9,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import flatcake
 from flatcake.errors import ConfigError, FlatCakeError
@@ -137,6 +137,8 @@ def _emulate(args: argparse.Namespace) -> int:
 
 
 T = TypeVar("T")
+if TYPE_CHECKING:  # what add_subparsers returns (argparse names no public type; generic only in typeshed)
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _port(text: str) -> int:
@@ -363,11 +365,8 @@ def _operator(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flatcake", description="Flat DRAM+SSD KV-cache storage for LLM serving")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {flatcake.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_bench(sub: Subparsers) -> None:
+    """``flatcake bench``: the benchmarks."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     restore = bench.add_parser("restore", help="restore bandwidth: FlatCake vs tiered vs per-block vs fio")
     restore.add_argument("--quick", action="store_true", help="a smaller workload that ends within a minute")
@@ -462,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     agent_bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     agent_bench.set_defaults(func=_bench_agent)
 
+
+def _add_trace(sub: Subparsers) -> None:
+    """``flatcake trace``: trace analysis and synthesis."""
     trace = sub.add_parser("trace", help="trace analysis and synthesis").add_subparsers(dest="trace_cmd", required=True)
     stats = trace.add_parser("stats", help="what a trace promises a prefix cache (ideal hit rate, reuse, ...)")
     stats.add_argument("trace", help="Mooncake or FlatCake JSONL trace")
@@ -481,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--out", required=True, help="output JSONL (FlatCake generic format)")
     synth.set_defaults(func=_trace_synth)
 
+
+def _add_simulate(sub: Subparsers) -> None:
+    """``flatcake simulate``: the what-if simulator."""
     simp = sub.add_parser("simulate", help="cluster-scale what-if simulation on the agent's own policy code")
     simp.add_argument("--trace", help="trace to simulate (default: the bundled agentic trace)")
     simp.add_argument("--limit", type=int, help="only the first N requests of the trace")
@@ -510,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(--limit 100, --qps 2, --gpu a100, --systems flatcake unless given)")  # fmt: skip
     simp.set_defaults(func=_simulate)
 
+
+def _add_loadgen(sub: Subparsers) -> None:
+    """``flatcake loadgen``: Locust replay."""
     lg = sub.add_parser("loadgen", help="load generation").add_subparsers(dest="loadgen_cmd", required=True)
     lrun = lg.add_parser("run", help="replay a trace with Locust (headless) against an inference endpoint")
     lrun.add_argument("--host", required=True, help="base URL, e.g. http://127.0.0.1:8000")
@@ -564,12 +572,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lb.set_defaults(func=_loadgen_bench)
 
+
+def _add_report(sub: Subparsers) -> None:
+    """``flatcake report``: reports from replay runs."""
     rep = sub.add_parser("report", help="report.json, Markdown/HTML and plots from replay runs")
     rep.add_argument("runs", help="directory of <system>/qps-<q>/results*.jsonl")
     rep.add_argument("--out", help="output directory (default: the runs directory)")
     rep.add_argument("--context", help="where the runs came from (cluster, namespace), shown in the report")
     rep.set_defaults(func=_report)
 
+
+def _add_emulate(sub: Subparsers) -> None:
+    """``flatcake emulate``: the emulated inference server."""
     emulate = sub.add_parser("emulate", help="an inference server that stores real KV through the storage under test")
     emulate.add_argument("--mode", choices=["flatcake", "tiered", "dram", "none"], default="flatcake")
     emulate.add_argument(
@@ -582,6 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         "--model",  # the old name: a served model's name is what --model means to an inference server
         dest="model",
+        metavar="PRESET",
         help="geometry preset: KV geometry and GPU costs (dsv4-flash, llama3-70b-tp4), not a served model's name",
     )
     emulate.add_argument("--gpu", help="the modelled GPU with --model: h200 (default) or a100")
@@ -610,6 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="flatcake mode, in-process engine: Table 2 (table2, default) or adaptive")  # fmt: skip
     emulate.set_defaults(func=_emulate)
 
+
+def _add_agent(sub: Subparsers) -> None:
+    """``flatcake agent``: the node agent's commands."""
     agent = sub.add_parser("agent", help="the node agent").add_subparsers(dest="agent", required=True)
     serve = agent.add_parser("serve", help="serve the storage engine's catalog to this node's clients")
     serve.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")
@@ -623,10 +641,30 @@ def build_parser() -> argparse.ArgumentParser:
     reclaim = agent.add_parser("reclaim", help="erase this node's pool and DRAM pool file (reclaimPolicy Delete)")
     reclaim.add_argument("--config", required=True, help="engine configuration (JSON)")
     reclaim.set_defaults(func=_agent_reclaim)
+
+
+def _add_operator(sub: Subparsers) -> None:
+    """``flatcake operator``: the kopf operator."""
     op = sub.add_parser("operator", help="the kopf operator: reconciles FlatCakeCache resources into node agents")
     op.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeat); default all")
     op.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL")
     op.set_defaults(func=_operator)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flatcake`` command line: one function per command group below."""
+    parser = argparse.ArgumentParser(prog="flatcake", description="Flat DRAM+SSD KV-cache storage for LLM serving")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {flatcake.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_bench(sub)
+    _add_trace(sub)
+    _add_simulate(sub)
+    _add_loadgen(sub)
+    _add_report(sub)
+    _add_emulate(sub)
+    _add_agent(sub)
+    _add_operator(sub)
     return parser
 
 
