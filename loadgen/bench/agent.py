@@ -11,6 +11,7 @@ request to decoding the reply.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import multiprocessing as mp
@@ -22,7 +23,7 @@ import tempfile
 import time
 import tracemalloc
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -322,6 +323,38 @@ def _restart_config(root: Path, fill_bytes: int) -> EngineConfig:
     )  # fmt: skip
 
 
+def _fill_then_kill(cfg: EngineConfig, root: Path, fill: Callable[[str], None]) -> float:
+    """Start an agent, run ``fill`` against its socket, then kill -9 the agent (no clean shutdown):
+    the fill's seconds."""
+    agent = spawn(cfg, root)
+    try:
+        started = time.monotonic()
+        fill(cfg.agent.socket)
+        return time.monotonic() - started
+    finally:
+        agent.kill()
+        agent.wait(30)
+
+
+@contextlib.contextmanager
+def _restarted(cfg: EngineConfig, root: Path, probe: list[str]) -> Iterator[tuple[float, Any, AgentConnection]]:
+    """The agent started again after a kill -9: yields the seconds from starting its process to the
+    first lookup that finds every ``probe`` key (interpreter start included; it answers only once
+    recovered), the process and a registered connection; the agent is stopped after."""
+    started = time.monotonic()
+    agent = spawn(cfg, root, timeout=600)
+    try:
+        conn = AgentConnection(cfg.agent.socket)
+        conn.call("register")
+        while conn.call("exists", keys=probe) != len(probe):
+            time.sleep(0.005)
+        yield time.monotonic() - started, agent, conn
+        conn.close()
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(60)
+
+
 def restart(fill_bytes: int, root: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """Fill a pool with ``fill_bytes`` of pages through an agent (64-page puts, real writes), kill -9
     the agent, start it again: seconds from starting the process to the first answered lookup of a
@@ -333,35 +366,19 @@ def restart(fill_bytes: int, root: Path, log: Callable[[str], None]) -> dict[str
     puts = max(1, fill_bytes // (span * per_put))
     kv = aligned_empty((cfg.layers, per_put, cfg.page_bytes))
     kv[...] = 1
-    agent = spawn(cfg, root)
-    try:
-        engine = connect(cfg.agent.socket)
-        started = time.monotonic()
-        for i in range(puts):
-            engine.put(sglang_keys(f"restart-{i}", 0, per_put), kv)
-            if i % 64 == 63:
-                log(f"  filled {(i + 1) * per_put * span / (1 << 30):.2f} GiB")
-        fill_s = time.monotonic() - started
-        engine.close()
-    finally:
-        agent.kill()  # kill -9: no clean shutdown
-        agent.wait(30)
-    started = time.monotonic()
-    agent = spawn(cfg, root, timeout=600)
-    try:
-        conn = AgentConnection(cfg.agent.socket)
-        conn.call("register")
-        probe = sglang_keys(f"restart-{puts - 1}", 0, per_put)
-        while conn.call("exists", keys=probe) != per_put:  # answers only once recovered
-            time.sleep(0.005)
-        serving = time.monotonic() - started
+
+    def fill(socket: str) -> None:
+        with connect(socket) as engine:
+            for i in range(puts):
+                engine.put(sglang_keys(f"restart-{i}", 0, per_put), kv)
+                if i % 64 == 63:
+                    log(f"  filled {(i + 1) * per_put * span / (1 << 30):.2f} GiB")
+
+    fill_s = _fill_then_kill(cfg, root, fill)
+    with _restarted(cfg, root, sglang_keys(f"restart-{puts - 1}", 0, per_put)) as (serving, _, conn):
         deadline = time.monotonic() + 1800
         while not (rec := conn.call("stats")["recovered"])["scan_done"] and time.monotonic() < deadline:
             time.sleep(0.1)
-        conn.close()
-    finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(60)
     stored = puts * per_put * span
     return {"stored_bytes": stored, "fill_s": fill_s, "restart_to_serving_s": serving,
             "scan_bytes": rec["scan_bytes"], "scan_seconds": rec["scan_seconds"], "scan_done": rec["scan_done"],
@@ -389,38 +406,23 @@ def restart_at_keys(model: str, keys: int, root: Path, log: Callable[[str], None
     zero_crc = zlib.crc32(bytes(span))  # what the background scan reads back from the unwritten pages
     per_put = 64
     puts = -(-keys // per_put)
-    agent = spawn(cfg, root)
-    try:
-        conn = AgentConnection(cfg.agent.socket)
+
+    def fill(socket: str) -> None:
+        conn = AgentConnection(socket)
         conn.call("register")
-        started = time.monotonic()
         for i in range(puts):
             batch = sglang_keys(f"keys-{i}", 0, min(per_put, keys - i * per_put))
             alloc = conn.call("allocate", keys=batch, hints={})
             conn.call("publish", id=alloc["id"], crc=[zero_crc] * len(alloc["index"]))
             if i % 20_000 == 19_999:
                 log(f"  published {(i + 1) * per_put:,} keys")
-        fill_s = time.monotonic() - started
         conn.close()
-    finally:
-        agent.kill()  # kill -9: no clean shutdown
-        agent.wait(30)
+
+    fill_s = _fill_then_kill(cfg, root, fill)
     journal_bytes = sum(f.stat().st_size for f in Path(cfg.ssd.dir).glob("journal*"))
-    started = time.monotonic()
-    agent = spawn(cfg, root, timeout=600)
-    try:
-        conn = AgentConnection(cfg.agent.socket)
-        conn.call("register")
-        probe = sglang_keys(f"keys-{puts - 1}", 0, 1)
-        while conn.call("exists", keys=probe) != 1:  # answers only once recovered
-            time.sleep(0.005)
-        serving = time.monotonic() - started
+    with _restarted(cfg, root, sglang_keys(f"keys-{puts - 1}", 0, 1)) as (serving, agent, conn):
         rss = _rss_bytes(agent.pid)
         rec = conn.call("stats")["recovered"]
-        conn.close()
-    finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(60)
     return {"model": model, "page_tokens": preset.page_tokens, "layers": preset.layers,
             "page_layer_bytes": preset.page_layer_bytes, "keys": keys, "pool_bytes": keys * span,
             "fill_s": fill_s, "journal_bytes": journal_bytes, "restart_to_serving_s": serving,

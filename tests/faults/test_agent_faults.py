@@ -23,6 +23,7 @@ import pytest
 
 from flatcake.errors import CapacityError, ConfigError, FencedError, PoolFullError
 from flatcake.node_agent.catalog import epoch as E
+from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.service import protocol as P
@@ -95,6 +96,21 @@ def test_a_writer_that_allocated_before_a_restart_is_refused_after_it(tmp_path: 
         agents[-1].stop()
 
 
+def restart_held_back(
+    agents: list[AgentThread], config: EngineConfig, caplog: pytest.LogCaptureFixture, what: str
+) -> threading.Thread:
+    """Stop the agent and start a new one in a thread, returned once the new agent waits for ``what``
+    (the log says so) with the epoch not yet raised; the new agent is appended to ``agents``."""
+    old_epoch = agents[0].agent.epoch
+    agents[0].stop()
+    caplog.set_level("INFO", logger="flatcake.node_agent.catalog.epoch")
+    restarting = threading.Thread(target=lambda: agents.append(AgentThread(config)))
+    restarting.start()
+    wait_until(lambda: "waiting up to" in caplog.text, what=f"the new agent to wait for {what}")
+    assert E.current(config.ssd.dir) == old_epoch  # not raised while it is on its way
+    return restarting
+
+
 @pytest.mark.parametrize("hints", [SSD, DRAM], ids=["ssd", "dram"])
 def test_a_write_in_flight_at_a_restart_lands_before_the_new_epoch_begins(
     tmp_path: Path, hints: Hints, caplog: pytest.LogCaptureFixture
@@ -129,13 +145,8 @@ def test_a_write_in_flight_at_a_restart_lands_before_the_new_epoch_begins(
     writer.start()
     assert started.wait(30), "the stale writer never reached its write"
     old_epoch = agents[0].agent.epoch
-    agents[0].stop()
-    caplog.set_level("INFO", logger="flatcake.node_agent.catalog.epoch")
-    restarting = threading.Thread(target=lambda: agents.append(AgentThread(config)))
-    restarting.start()
+    restarting = restart_held_back(agents, config, caplog, "the write in flight")
     try:
-        wait_until(lambda: "waiting up to" in caplog.text, what="the new agent to wait for the write in flight")
-        assert E.current(config.ssd.dir) == old_epoch  # not raised while the write is on its way
         release.set()
         writer.join(30)
         restarting.join(60)
@@ -166,13 +177,8 @@ def test_a_restore_in_flight_at_a_restart_ends_before_the_new_epoch_begins(
     dest = np.zeros((4, len(keys), 4096), np.uint8)
     restore = reader.get(keys, dest)  # holds the epoch until closed
     old_epoch = agents[0].agent.epoch
-    agents[0].stop()
-    caplog.set_level("INFO", logger="flatcake.node_agent.catalog.epoch")
-    restarting = threading.Thread(target=lambda: agents.append(AgentThread(config)))
-    restarting.start()
+    restarting = restart_held_back(agents, config, caplog, "the restore in flight")
     try:
-        wait_until(lambda: "waiting up to" in caplog.text, what="the new agent to wait for the restore in flight")
-        assert E.current(config.ssd.dir) == old_epoch  # not raised while the restore is open
         with restore:
             missing = restore.run()
         restarting.join(60)
