@@ -643,6 +643,35 @@ def _add_agent(sub: Subparsers) -> None:
     reclaim.set_defaults(func=_agent_reclaim)
 
 
+def _geometry(args: argparse.Namespace) -> int:
+    from flatcake.node_agent import geometry
+
+    g = geometry.load(args.config, tp=args.tp, page_tokens=args.page_tokens, kv_dtype=args.kv_dtype)
+    if args.json:
+        print(json.dumps(g.to_dict(), indent=1))
+        return 0
+    share = "every rank holds the same KV" if g.replicated else f"one of {args.tp} ranks' share"
+    print(f"{g.model_type}: {g.attention.upper()}, {g.layers} layers, {g.bytes_per_token_layer} B per token and "
+          f"layer ({share}); a {g.page_tokens}-token page is {g.raw_page_bytes} B per layer, "
+          f"{g.page_bytes} B aligned")  # fmt: skip
+    kv = g.kv()
+    print(f"spec:\n  kv: {{layers: {kv['layers']}, pageBytes: {kv['pageBytes']}, pageTokens: {kv['pageTokens']}}}")
+    return 0
+
+
+def _add_geometry(sub: Subparsers) -> None:
+    """``flatcake geometry``: a FlatCakeCache's kv from a model's config.json."""
+    geo = sub.add_parser("geometry", help="the kv geometry (layers, pageBytes, pageTokens) of a model's config.json")
+    geo.add_argument("config", help="the model's config.json, or its directory")
+    geo.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks serving it (SGLang's --tp-size)")
+    geo.add_argument("--page-tokens", type=int, default=64, dest="page_tokens",
+                     help="tokens per page (SGLang's --page-size)")  # fmt: skip
+    geo.add_argument("--kv-dtype", default="auto", dest="kv_dtype",
+                     help="SGLang's --kv-cache-dtype: auto (the model's torch_dtype), fp8_e4m3 ...")  # fmt: skip
+    geo.add_argument("--json", action="store_true", help="print JSON")
+    geo.set_defaults(func=_geometry)
+
+
 def _add_operator(sub: Subparsers) -> None:
     """``flatcake operator``: the kopf operator."""
     op = sub.add_parser("operator", help="the kopf operator: reconciles FlatCakeCache resources into node agents")
@@ -665,6 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_emulate(sub)
     _add_agent(sub)
     _add_operator(sub)
+    _add_geometry(sub)
     return parser
 
 

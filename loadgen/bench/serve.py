@@ -35,6 +35,7 @@ from flatcake.loadgen.serve.model import make_model
 from flatcake.loadgen.serve.server import SGLangServer, cpu_seconds, server_python
 from flatcake.loadgen.traces.formats import write_trace
 from flatcake.loadgen.traces.synth import SynthConfig, synthesize
+from flatcake.node_agent import geometry
 
 if TYPE_CHECKING:
     from flatcake.node_agent import EngineConfig
@@ -195,12 +196,9 @@ def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Pat
 
 
 def kv_geometry(model: Path) -> dict[str, int]:
-    """Layers and bytes of one 64-token page per layer (K and V, bf16), from the model's config.json."""
-    c = json.loads((model / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    page_tokens = 64
-    return {"layers": c["num_hidden_layers"], "page_tokens": page_tokens,
-            "page_bytes": 2 * page_tokens * c["num_key_value_heads"] * head_dim * 2}  # fmt: skip
+    """Layers and bytes of one 64-token page per layer, from the model's config.json (one rank)."""
+    g = geometry.load(model, page_tokens=64)
+    return {"layers": g.layers, "page_tokens": g.page_tokens, "page_bytes": g.page_bytes}
 
 
 def summarize(system: str, qps: float, records: list[dict[str, Any]], replay_s: float, cold: Any, warm: Any,

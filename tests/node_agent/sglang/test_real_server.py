@@ -20,7 +20,7 @@ import pytest
 
 from flatcake.loadgen.serve.model import make_model
 from flatcake.loadgen.serve.server import LAYOUTS, Generation, SGLangServer, server_python
-from flatcake.node_agent import EngineConfig
+from flatcake.node_agent import EngineConfig, geometry
 from flatcake.node_agent.service.main import spawn
 from tests.support.agents import agent_stats
 from tests.support.engines import small_config
@@ -38,7 +38,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         server_python()
     except FileNotFoundError as exc:
         raise AssertionError(f"{exc}; {INSTALL}") from None
-    return make_model(tmp_path_factory.mktemp("model"), layers=LAYERS)
+    path = make_model(tmp_path_factory.mktemp("model"), layers=LAYERS)
+    # The agent is sized by the geometry derived from the model's config.json: the real server's backend
+    # registers its host pool's page with the agent, which refuses another size.
+    g = geometry.load(path, page_tokens=PAGE_TOKENS)
+    assert (g.layers, g.page_bytes) == (LAYERS, PAGE_BYTES)
+    return path
 
 
 def agent_config(where: Path, verify: str = "ssd") -> EngineConfig:

@@ -1,0 +1,89 @@
+"""KV geometry from published config.json files (tests/node_agent/model_configs): what a FlatCakeCache's
+``kv`` must say for each model, tensor-parallel degree, page size and KV dtype. The SGLang system test
+ties the formula to a real server: its agent is sized by it, and SGLang's registration would refuse
+a page of another size (tests/node_agent/sglang/test_real_server.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flatcake.cli import main
+from flatcake.errors import ConfigError
+from flatcake.node_agent import geometry
+
+pytestmark = pytest.mark.unit
+
+CONFIGS = Path(__file__).parent / "model_configs"
+
+
+def load(name: str, **kw: object) -> geometry.Geometry:
+    return geometry.load(CONFIGS / f"{name}.json", **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "tp", "page_tokens", "kv_dtype", "layers", "per_token", "page_bytes", "replicated"),
+    [
+        # Dense GQA: K and V of the rank's KV heads x head_dim (hidden / heads), bf16.
+        ("llama-3.1-8b-instruct", 1, 64, "auto", 32, 2 * 8 * 128 * 2, 262144, False),
+        ("llama-3.1-8b-instruct", 8, 64, "auto", 32, 2 * 1 * 128 * 2, 32768, False),
+        ("llama-3.1-8b-instruct", 16, 64, "auto", 32, 2 * 1 * 128 * 2, 32768, True),  # more ranks than KV heads
+        ("llama-3.1-70b-instruct", 4, 64, "auto", 80, 1024, 65536, False),  # the llama3-70b-tp4 preset's 1 KiB
+        ("llama-3.1-70b-instruct", 4, 256, "auto", 80, 1024, 262144, False),
+        ("llama-3.1-70b-instruct", 4, 64, "fp8_e4m3", 80, 512, 32768, False),
+        ("qwen2.5-7b-instruct", 1, 64, "auto", 28, 2 * 4 * 128 * 2, 131072, False),  # hidden 3584 / 28 heads
+        ("qwen2.5-7b-instruct", 2, 1, "auto", 28, 2 * 2 * 128 * 2, 4096, False),  # 1024 B, padded to 4 KiB
+        # MLA: one latent row of kv_lora_rank + qk_rope_head_dim per token, on every rank alike.
+        ("deepseek-v3", 8, 64, "auto", 61, (512 + 64) * 2, 73728, True),
+        ("deepseek-v3", 1, 64, "fp8_e4m3", 61, 512 + 64, 36864, True),
+    ],
+)
+def test_published_models(name: str, tp: int, page_tokens: int, kv_dtype: str, layers: int, per_token: int,
+                          page_bytes: int, replicated: bool) -> None:  # fmt: skip
+    g = load(name, tp=tp, page_tokens=page_tokens, kv_dtype=kv_dtype)
+    assert (g.layers, g.bytes_per_token_layer, g.page_bytes, g.replicated) == (
+        layers,
+        per_token,
+        page_bytes,
+        replicated,
+    )
+    assert g.raw_page_bytes == per_token * page_tokens and g.page_bytes % 4096 == 0
+    assert g.kv() == {"layers": layers, "pageBytes": page_bytes, "pageTokens": page_tokens}
+    assert g.attention == ("mla" if name.startswith("deepseek") else "mha")
+
+
+def test_what_cannot_be_derived_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    qwen = json.loads((CONFIGS / "qwen2.5-7b-instruct.json").read_text())
+    with pytest.raises(ConfigError, match="tp: 3 ranks cannot share 4 KV heads evenly"):
+        geometry.from_config(qwen, tp=3)
+    with pytest.raises(ConfigError, match="sliding-window model .* give spec.kv"):
+        geometry.from_config({**qwen, "use_sliding_window": True})
+    with pytest.raises(ConfigError, match="hybrid model"):
+        geometry.from_config({**qwen, "full_attention_interval": 4})
+    with pytest.raises(ConfigError, match="kv_dtype: 'int3' must be one of"):
+        geometry.from_config(qwen, kv_dtype="int3")
+    with pytest.raises(ConfigError, match="num_hidden_layers: None in config.json is not a positive integer"):
+        geometry.from_config({"model_type": "llama", "num_attention_heads": 8})
+    with pytest.raises(ConfigError, match="no such file"):
+        geometry.load(tmp_path / "missing.json")
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        geometry.load(tmp_path)  # a model directory: its config.json
+
+
+def test_multimodal_configs_use_the_language_models_text_config() -> None:
+    llama = json.loads((CONFIGS / "llama-3.1-8b-instruct.json").read_text())
+    nested = {"model_type": "llava", "text_config": llama}
+    assert geometry.from_config(nested) == geometry.from_config(llama)
+
+
+def test_the_command_prints_the_caches_kv(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["geometry", str(CONFIGS / "qwen2.5-7b-instruct.json")]) == 0
+    assert "kv: {layers: 28, pageBytes: 131072, pageTokens: 64}" in capsys.readouterr().out
+    assert main(["geometry", str(CONFIGS / "deepseek-v3.json"), "--tp", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv"] == {"layers": 61, "pageBytes": 73728, "pageTokens": 64} and out["replicated"] is True
+    assert main(["geometry", str(CONFIGS / "qwen2.5-7b-instruct.json"), "--tp", "3"]) != 0  # a clear error, no trace
+    assert "cannot share 4 KV heads" in capsys.readouterr().err
