@@ -73,6 +73,24 @@ def test_every_rendered_manifest_validates(name: str) -> None:
         assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
 
 
+def test_example_cache_on_devices_drops_the_default_directory() -> None:
+    """Issue 31: devices given for the example cache replace its default directory (the CRD takes exactly
+    one); the operator parses what is rendered; the install notes show a kv and no bare /dev/nvme0n1."""
+    from flatcake.operator.spec import parse_spec
+
+    docs = render("--set", "exampleCache.enabled=true", "--set",
+                  "exampleCache.spec.ssd.devices={/dev/disk/by-id/nvme-A,/dev/disk/by-id/nvme-B}")  # fmt: skip
+    cache = next(d for d in docs if d["kind"] == "FlatCakeCache")
+    assert cache["spec"]["ssd"]["devices"] == ["/dev/disk/by-id/nvme-A", "/dev/disk/by-id/nvme-B"]
+    assert "directory" not in cache["spec"]["ssd"]
+    admitted = admit("flatcake.io", "flatcakecaches", cache)
+    assert parse_spec(admitted["spec"]).devices == ("/dev/disk/by-id/nvme-A", "/dev/disk/by-id/nvme-B")
+    default = next(d for d in render("--set", "exampleCache.enabled=true") if d["kind"] == "FlatCakeCache")
+    assert default["spec"]["ssd"]["directory"] == "/mnt/flatcake" and default["spec"]["kv"]["pageBytes"] == 131072
+    notes = helm("install", "fc", str(CHART), "--dry-run=client", "--namespace", "flatcake").stdout
+    assert "kv: {layers:" in notes and "flatcake geometry" in notes and "/dev/nvme0n1" not in notes
+
+
 def test_values_schema_names_the_bad_field() -> None:
     out = helm("template", "fc", str(CHART), "--set", "operator.resyncSeconds=1")
     assert out.returncode != 0 and "resyncSeconds" in out.stderr
