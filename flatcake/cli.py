@@ -355,6 +355,8 @@ def _address(args: argparse.Namespace) -> str:
 
 
 def _operator(args: argparse.Namespace) -> int:
+    if args.action == "render":
+        return _operator_render(args)
     from flatcake.operator import handlers
 
     try:
@@ -362,6 +364,22 @@ def _operator(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"flatcake operator: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _operator_render(args: argparse.Namespace) -> int:
+    import yaml
+
+    from flatcake.operator import preview
+
+    if not args.file:
+        raise ConfigError("operator render: give the FlatCakeCache's YAML file (flatcake operator render CACHE.yaml)")
+    try:
+        body = yaml.safe_load(Path(args.file).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{args.file}: cannot read a FlatCakeCache from it ({exc})") from None
+    objects = preview.objects(body, preview.load_crd_schema(args.crd), args.agent_cluster_role)
+    print(yaml.safe_dump_all(objects, sort_keys=False), end="")
     return 0
 
 
@@ -675,6 +693,12 @@ def _add_geometry(sub: Subparsers) -> None:
 def _add_operator(sub: Subparsers) -> None:
     """``flatcake operator``: the kopf operator."""
     op = sub.add_parser("operator", help="the kopf operator: reconciles FlatCakeCache resources into node agents")
+    op.add_argument("action", nargs="?", choices=("run", "render"), default="run",
+                    help="run (default), or render what the operator would apply for FILE, offline")  # fmt: skip
+    op.add_argument("file", nargs="?", help="render: the FlatCakeCache's YAML")
+    op.add_argument("--crd", help="render: the CRD's YAML (default: this checkout's crds/flatcakecaches.yaml)")
+    op.add_argument("--agent-cluster-role", default="flatcake-agent", dest="agent_cluster_role",
+                    help="render: the agents' ClusterRole, as the chart names it")  # fmt: skip
     op.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeat); default all")
     op.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL")
     op.set_defaults(func=_operator)

@@ -1,9 +1,11 @@
 """The CRDs (crds/*.yaml, their single source) read as lists of fields: what docs/configuration.md's
 FlatCakeCache table is generated from (bin/generate), and what the test that every field carries a
-description walks."""
+description walks; and the API server's structural defaulting (``apply_defaults``), which the operator's
+preview and the tests' API server apply."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +36,24 @@ def schema(plural: str) -> dict[str, Any]:
     assert len(versions) == 1, "one served version: describe the others too when a second arrives"
     root: dict[str, Any] = versions[0]["schema"]["openAPIV3Schema"]
     return root
+
+
+def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
+    """Structural defaulting as the API server does it: absent properties with a default get it,
+    then defaulting recurses into present (or just defaulted) objects and array items."""
+    if isinstance(obj, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name not in obj and "default" in sub:
+                obj[name] = copy.deepcopy(sub["default"])
+            if name in obj:
+                obj[name] = apply_defaults(sub, obj[name])
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key in obj.keys() - schema.get("properties", {}).keys():
+                obj[key] = apply_defaults(extra, obj[key])
+    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        return [apply_defaults(schema["items"], item) for item in obj]
+    return obj
 
 
 def fields(node: dict[str, Any], prefix: str = "") -> Iterator[Field]:

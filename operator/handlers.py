@@ -113,12 +113,8 @@ def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: An
         ids_map = kube.get(K.CONFIG_MAPS, cache.namespace, render.names(cache)["node_ids"])
         ids = nodeids.assign(_parse_node_ids(ids_map), selected, [r.node for r in reports if r.holds_data])
         _write_node_ids(kube, cache, ids_map, ids)
-        objects = [render.service_account(cache), render.role_binding(cache, agent_cluster_role),
-                   render.config_map(cache, wanted), render.daemon_set(spec, cache, wanted),
-                   render.service(spec, cache)]  # fmt: skip
-        if spec.service_monitor and kube.has_resource(K.SERVICE_MONITORS):
-            objects.append(render.service_monitor(spec, cache))
-        for obj in objects:
+        monitor = spec.service_monitor and kube.has_resource(K.SERVICE_MONITORS)
+        for obj in render.objects(spec, cache, wanted, agent_cluster_role, monitor):
             outcome = K.apply(kube, obj)
             if outcome != "unchanged":
                 logger.info("%s %s %s", outcome, obj["kind"], obj["metadata"]["name"])

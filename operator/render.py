@@ -439,6 +439,18 @@ def service_monitor(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
     }
 
 
+def objects(
+    spec: CacheSpec, cache: Cache, config: dict[str, Any], agent_cluster_role: str, with_monitor: bool
+) -> list[dict[str, Any]]:
+    """Everything a cache's reconcile applies, in order (the NodeID map aside: it depends on the
+    cluster's nodes); the ServiceMonitor ``with_monitor`` (the spec asks for one, the cluster has the kind)."""
+    out = [service_account(cache), role_binding(cache, agent_cluster_role), config_map(cache, config),
+           daemon_set(spec, cache, config), service(spec, cache)]  # fmt: skip
+    if with_monitor:
+        out.append(service_monitor(spec, cache))
+    return out
+
+
 def service_account(cache: Cache) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(cache, names(cache)["service_account"])}
 

@@ -24,6 +24,7 @@ import jsonschema
 import kmock
 import yaml
 
+from flatcake.crds import apply_defaults
 from tests.support import ROOT
 
 CRDS = {
@@ -36,24 +37,6 @@ _versions = itertools.count(1000)
 def crd_schema(group: str, plural: str) -> dict[str, Any]:
     schema: dict[str, Any] = CRDS[(group, plural)]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     return schema
-
-
-def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
-    """Structural defaulting as the API server does it: absent properties with a default get it,
-    then defaulting recurses into present (or just defaulted) objects and array items."""
-    if isinstance(obj, dict):
-        for name, sub in schema.get("properties", {}).items():
-            if name not in obj and "default" in sub:
-                obj[name] = copy.deepcopy(sub["default"])
-            if name in obj:
-                obj[name] = apply_defaults(sub, obj[name])
-        extra = schema.get("additionalProperties")
-        if isinstance(extra, dict):
-            for key in obj.keys() - schema.get("properties", {}).keys():
-                obj[key] = apply_defaults(extra, obj[key])
-    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
-        return [apply_defaults(schema["items"], item) for item in obj]
-    return obj
 
 
 def admit(group: str, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
