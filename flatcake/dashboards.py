@@ -21,10 +21,10 @@ NAMES = ("overview", "storage-io", "scheduler", "capacity", "benchmark")
 # A series name and its selector, if any. Dashboard variable -> the label it filters: SGLang's series
 # by `model_name` (`model`); catalogue metrics with a `system` label are counted by the benchmark's
 # serving processes (emulator, load generator); every other one is served by the node agents, whose
-# `instance` is what `node` lists.
+# `node` label (the ServiceMonitor's relabeling of the pod's node name) is what `node` lists.
 _SERIES = re.compile(r"(?<![\w:])((?:flatcake_|sglang_)[a-z0-9_]+)(\{[^}]*\})?")
 _RANGE = re.compile(r"\[([^\]]*)\]")
-VARIABLES = {"system": "system", "node": "instance", "model": "model_name"}
+VARIABLES = {"system": "system", "node": "node", "model": "model_name"}
 
 
 def render(name: str, templates: Path = ROOT / "templates") -> dict[str, Any]:

@@ -423,6 +423,11 @@ def service(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
     }
 
 
+# The scraped pod's node name as ``node``: what the dashboards' node picker lists (kube-prometheus-stack's
+# convention; ``instance`` is the pod's IP:port, which says nothing to an operator).
+NODE_RELABELING = [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node", "action": "replace"}]
+
+
 def service_monitor(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
     meta = _meta(cache, names(cache)["service_monitor"])
     meta["labels"] = {**meta["labels"], **spec.service_monitor_labels}
@@ -434,7 +439,15 @@ def service_monitor(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
             "jobLabel": JOB_LABEL,
             "selector": {"matchLabels": {"flatcake.io/cache": cache.name, "app.kubernetes.io/component": "agent"}},
             "namespaceSelector": {"matchNames": [cache.namespace]},
-            "endpoints": [{"port": "metrics", "path": "/metrics", "interval": spec.service_monitor_interval}],
+            "endpoints": [
+                {
+                    "port": "metrics",
+                    "path": "/metrics",
+                    "interval": spec.service_monitor_interval,
+                    "scrapeTimeout": spec.service_monitor_interval,
+                    "relabelings": NODE_RELABELING,
+                }
+            ],
         },
     }
 

@@ -64,7 +64,7 @@ def test_queries_use_rate_interval_and_the_variables() -> None:
     """Every range selector (inside rate, increase, irate, histogram rates) is ``[$__rate_interval]``,
     never a fixed ``[5m]``. The variables rule: each ``flatcake_*`` series selector carries the
     matcher of the dashboard variable for its metric: ``system=~"$system"`` when the catalogue gives
-    the metric a ``system`` label (serving processes), else ``instance=~"$node"`` (node agents)."""
+    the metric a ``system`` label (serving processes), else ``node=~"$node"`` (node agents)."""
     exprs = 0
     for name, d in committed():
         for p in d["panels"]:
@@ -76,10 +76,10 @@ def test_queries_use_rate_interval_and_the_variables() -> None:
 
 
 def test_the_checks_catch_what_they_forbid() -> None:
-    panel = {"title": "t", "targets": [{"expr": 'sum(rate(flatcake_requests_total{instance=~"$node"}[5m]))'}]}
+    panel = {"title": "t", "targets": [{"expr": 'sum(rate(flatcake_requests_total{node=~"$node"}[5m]))'}]}
     assert D.fixed_ranges(panel["targets"][0]["expr"]) == ["5m"]
     assert D.unfiltered({"panels": [panel]}) == [("t", "flatcake_requests_total")]  # system metric, no $system
-    fixed = 'sum(rate(flatcake_io_errors_total{instance=~"$node"}[$__rate_interval])) / flatcake_agent_ready'
+    fixed = 'sum(rate(flatcake_io_errors_total{node=~"$node"}[$__rate_interval])) / flatcake_agent_ready'
     assert D.unfiltered({"panels": [{"title": "u", "targets": [{"expr": fixed}]}]}) == [("u", "flatcake_agent_ready")]
 
 
@@ -89,4 +89,4 @@ def test_concrete_substitutes_as_grafana_does() -> None:
     expr = 'rate(flatcake_requests_total{system=~"$system"}[$__rate_interval])'
     assert D.concrete(expr, {"system": ".*"}, 4.0) == 'rate(flatcake_requests_total{system=~".*"}[4000ms])'
     with pytest.raises(ValueError, match="node"):
-        D.concrete('flatcake_agent_ready{instance=~"$node"}', {"system": ".*"}, 4.0)
+        D.concrete('flatcake_agent_ready{node=~"$node"}', {"system": ".*"}, 4.0)

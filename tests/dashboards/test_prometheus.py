@@ -71,8 +71,10 @@ def test_every_panel_query_returns_data(tmp_path: Path, agent_thread: Callable[.
     config.write_text(json.dumps({
         "global": {"scrape_interval": f"{SCRAPE_S:.0f}s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],
-        "scrape_configs": [{"job_name": AGENT_JOB, "static_configs": [{"targets": [f"127.0.0.1:{agent.port}",
-                                                                                 f"127.0.0.1:{sglang_agent.port}"]}]},
+        # Each agent's node name as the ServiceMonitor's relabeling gives it (operator/render.py).
+        "scrape_configs": [{"job_name": AGENT_JOB, "static_configs": [
+                               {"targets": [f"127.0.0.1:{agent.port}"], "labels": {"node": "node-a"}},
+                               {"targets": [f"127.0.0.1:{sglang_agent.port}"], "labels": {"node": "node-b"}}]},
                            {"job_name": "flatcake", "static_configs": [{"targets": targets}]}],
     }))  # fmt: skip
     prom = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
@@ -118,10 +120,10 @@ def test_every_panel_query_returns_data(tmp_path: Path, agent_thread: Callable[.
         # window of $__rate_interval ending later would hold none of its samples.
         replayed = time.time()
         # All (Grafana sends ".*") and one value picked per variable: the emulator's and load
-        # generator's system, the agent's instance.
+        # generator's system, the agent's node.
         picks = (
             {"system": ".*", "node": ".*", "model": ".*"},
-            {"system": "flatcake", "node": f"127.0.0.1:{agent.port}", "model": ".*"},
+            {"system": "flatcake", "node": "node-a", "model": ".*"},
         )
         rules_shipped = sum(len(g["rules"]) for g in yaml.safe_load(RULES.read_text())["groups"])
 
