@@ -668,7 +668,11 @@ def _geometry(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(g.to_dict(), indent=1))
         return 0
-    share = "every rank holds the same KV" if g.replicated else f"one of {args.tp} ranks' share"
+    share = (
+        "every rank holds the same KV"
+        if g.replicated
+        else (f"each of {args.tp} ranks' share" if args.tp > 1 else "one rank")
+    )
     print(f"{g.model_type}: {g.attention.upper()}, {g.layers} layers, {g.bytes_per_token_layer} B per token and "
           f"layer ({share}); a {g.page_tokens}-token page is {g.raw_page_bytes} B per layer, "
           f"{g.page_bytes} B aligned")  # fmt: skip
