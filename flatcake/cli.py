@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -788,6 +789,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except FlatCakeError as exc:  # each kind has its exit code (flatcake/errors.py)
         return _fail(str(exc), exc.exit_code)
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141
     except (ValueError, RuntimeError, OSError) as exc:  # bad arguments or an environment problem, said plainly
         return _fail(str(exc), 2)
     except KeyboardInterrupt:

@@ -96,3 +96,19 @@ def test_emulate_page_size_that_direct_io_cannot_read_is_one_line(tmp_path: Path
     assert lines[0].startswith("flatcake: error: page_tokens x bytes_per_token_layer (16 x 64) must be a multiple "
                                "of 4096"), run.stderr  # fmt: skip
     assert not data.exists()
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path: Path) -> None:
+    """``flatcake operator render cache.yaml | head -0``: the reader closes the pipe before the command
+    writes; the command stops without an error line (exit 141, as Unix tools end on SIGPIPE)."""
+    cache = tmp_path / "cache.yaml"
+    cache.write_text(
+        "apiVersion: flatcake.io/v1alpha1\nkind: FlatCakeCache\nmetadata: {name: kv}\n"
+        "spec: {ssd: {directory: /mnt/kv}, kv: {layers: 80, pageBytes: 65536, pageTokens: 64}}\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "flatcake", "operator", "render", str(cache)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader goes away before a line is written (the command is still importing)
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141 and err == "", err
