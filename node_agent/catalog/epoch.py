@@ -22,13 +22,11 @@ logged and the agent starts anyway: the read-side checksums are then the only gu
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import os
 import struct
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from flatcake.node_agent.catalog.files import fsync_dir, share_fd
@@ -56,21 +54,45 @@ def _read(fd: int) -> int:
     return _EPOCH.unpack(raw)[0] if len(raw) == _EPOCH.size else 0
 
 
-@contextlib.contextmanager
-def held(directory: str | os.PathLike[str]) -> Iterator[int]:
-    """Hold the epoch for one write or one restore: yields the epoch now (0: no agent has started), and
-    no new agent begins its epoch until the block has ended. One open file a call: ``flock`` belongs to the open
-    file, so threads sharing one would release each other's hold."""
-    try:
-        fd = os.open(Path(directory) / EPOCH_FILE, os.O_RDONLY)
-    except FileNotFoundError:
-        yield 0
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield _read(fd)
-    finally:
-        os.close(fd)  # releases the hold
+class Held:
+    """The epoch held for one write or one restore (``held``): a context manager whose value is the
+    epoch now (0: no agent has started). One open file each: ``flock`` belongs to the open file, so
+    threads sharing one would release each other's hold. A plain object, not a generator: a restore
+    dropped unclosed is finalized in any order with what it holds, and its hold ends with it."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self._path = Path(directory) / EPOCH_FILE
+        self._fd = -1
+
+    def __enter__(self) -> int:
+        try:
+            fd = os.open(self._path, os.O_RDONLY)
+        except FileNotFoundError:
+            return 0
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            epoch = _read(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return epoch
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)  # releases the hold
+
+    __del__ = release
+
+
+def held(directory: str | os.PathLike[str]) -> Held:
+    """Hold the epoch for one write or one restore: no new agent begins its epoch until the block has
+    ended (``advance`` takes the file exclusively)."""
+    return Held(directory)
 
 
 def advance(directory: str | os.PathLike[str], gid: int = -1, wait_s: float = 30.0) -> int:
