@@ -137,14 +137,14 @@ def recover(
     out.skipped_records, out.torn_bytes = report.skipped_records, report.torn_bytes
     out.legacy_journal = report.legacy
     out.total_pages = sum(len(s.gva) for s in scopes.values())
-    contested = _contested(b"".join(blobs), np.repeat(np.asarray(owners, np.int64), counts))
+    contested, marked = _contested(b"".join(blobs), np.repeat(np.asarray(owners, np.int64), counts))
     del blobs, owners, counts
     for sid, s in sorted(scopes.items()):
         if sid in lost or any(slot_claims.get(x) != sid for x in s.slots):
             out.superseded_pages += len(s.gva)
             continue
         blob = b"".join(s.blobs)
-        keep = _owned(sid, blob, s.spans, contested)
+        keep = _owned(sid, blob, s.spans, contested, marked)
         out.superseded_pages += len(keep) - int(np.count_nonzero(keep))
         if read_page is not None:
             for i in np.flatnonzero(keep).tolist():
@@ -177,38 +177,43 @@ def recover(
     return out
 
 
-def _contested(blob: bytes, scope_of: npt.NDArray[np.int64]) -> dict[bytes, tuple[int, int]]:
+def _contested(
+    blob: bytes, scope_of: npt.NDArray[np.int64]
+) -> tuple[dict[bytes, tuple[int, int]], npt.NDArray[np.bool_]]:
     """Digests published more than once, each with the scope that published it last and the journal
-    position of that scope's first page of it: the only pages whose owner is not their own record's
-    scope. Found by sorting the digests' first words (rare: a key published again, or freed and
-    published again)."""
+    position of that scope's first page of it, and which journal positions hold one: the only pages
+    whose owner is not their own record's scope. Found by sorting the digests' first words (rare: a
+    key published again, or freed and published again)."""
     d = np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
     h1 = np.sort(d[:, 0])
     repeated = h1[1:][h1[1:] == h1[:-1]]
     if not repeated.size:
-        return {}
+        return {}, np.zeros(len(d), bool)
+    marked = np.isin(d[:, 0], repeated)
     last: dict[bytes, int] = {}
     first: dict[tuple[bytes, int], int] = {}
-    for i in np.flatnonzero(np.isin(d[:, 0], repeated)).tolist():
+    for i in np.flatnonzero(marked).tolist():
         key, sid = blob[16 * i : 16 * i + 16], int(scope_of[i])
         last[key] = sid
         first.setdefault((key, sid), i)
-    return {key: (sid, first[key, sid]) for key, sid in last.items()}
+    return {key: (sid, first[key, sid]) for key, sid in last.items()}, marked
 
 
 def _owned(
-    sid: int, blob: bytes, spans: list[tuple[int, int]], contested: dict[bytes, tuple[int, int]]
+    sid: int,
+    blob: bytes,
+    spans: list[tuple[int, int]],
+    contested: dict[bytes, tuple[int, int]],
+    marked: npt.NDArray[np.bool_],
 ) -> npt.NDArray[np.bool_]:
     """Which of a scope's pages (in its records' order) it still owns: all but those of a contested
-    digest that another scope published later, or that this scope published earlier."""
+    digest that another scope published later, or that this scope published earlier. Only the marked
+    journal positions are looked at, so a scope with none costs one check per record."""
     keep = np.ones(len(blob) // 16, bool)
-    if not contested:
-        return keep
     at = 0
     for first, n in spans:
-        for j in range(n):
-            owner = contested.get(blob[16 * (at + j) : 16 * (at + j) + 16])
-            if owner is not None and owner != (sid, first + j):
+        for j in np.flatnonzero(marked[first : first + n]).tolist():
+            if contested[blob[16 * (at + j) : 16 * (at + j) + 16]] != (sid, first + j):
                 keep[at + j] = False
         at += n
     return keep

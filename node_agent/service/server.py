@@ -148,14 +148,14 @@ class Agent:
         # to the live state, online, after serving starts (its cost grows with the keys: 10M keys
         # would hold start-up for seconds). A journal of the first format is rewritten before the
         # first append, which must not follow a record of the old format.
-        stale = r.records > r.scopes or r.skipped_records > 0
+        compact_now = not r.legacy_journal and (r.records > r.scopes or r.skipped_records > 0)
         if r.legacy_journal:
             try:
                 journal.rewrite(self.catalog.snapshot_records())
             except OSError as exc:  # a full disk at start: keep the (valid, tail-trimmed) journal as it is
                 log.error("journal compaction failed, continuing with the uncompacted journal: %s", exc)
         self.catalog.journal = self.journal = journal
-        self._compactor = threading.Thread(target=self._compact_loop, args=(journal, stale and not r.legacy_journal),
+        self._compactor = threading.Thread(target=self._compact_loop, args=(journal, compact_now),
                                            name="flatcake-journal-compactor", daemon=True)  # fmt: skip
         self._compactor.start()
         log.info(
