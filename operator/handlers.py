@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 
 from flatcake import kube as K
-from flatcake.operator import changes, nodeids, render
+from flatcake.operator import changes, nodeids, render, scheduling
 from flatcake.operator.spec import GROUP, VERSION, CacheSpec, SpecError, check_node_count, check_node_fit, parse_spec
 from flatcake.operator.status import NodeReport, aggregate
 
@@ -49,9 +49,16 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo.agent_cluster_role = os.environ.get("FLATCAKE_AGENT_CLUSTER_ROLE", "flatcake-agent")
 
 
-def _selected_nodes(kube: K.Kube, spec: CacheSpec) -> list[dict[str, Any]]:
-    nodes = kube.list(K.NODES, selector=spec.node_selector)
-    return [n for n in nodes if not n.get("spec", {}).get("unschedulable", False)]
+def _selected_nodes(kube: K.Kube, spec: CacheSpec) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The nodes that get an agent, and why each other node matching spec.nodeSelector gets none."""
+    chosen, excluded = [], {}
+    for node in kube.list(K.NODES, selector=spec.node_selector):
+        why = scheduling.why_excluded(node, spec.tolerations, spec.affinity)
+        if why is None:
+            chosen.append(node)
+        else:
+            excluded[node["metadata"]["name"]] = why
+    return chosen, excluded
 
 
 def _reports(kube: K.Kube, namespace: str, name: str) -> list[dict[str, Any]]:
@@ -90,11 +97,12 @@ def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: An
     cache = render.Cache(meta["name"], meta["namespace"], meta.get("uid", ""))
     problem = ""
     selected: list[str] = []
+    excluded: dict[str, str] = {}
     reports = [NodeReport.from_object(r) for r in _reports(kube, cache.namespace, cache.name)]
     try:
         render.check_cache(cache)
         spec = parse_spec(dict(body.get("spec", {})))
-        nodes = _selected_nodes(kube, spec)
+        nodes, excluded = _selected_nodes(kube, spec)
         selected = sorted(n["metadata"]["name"] for n in nodes)
         check_node_count(len(selected))
         device_bytes = {r.node: r.device_bytes for r in reports}
@@ -131,7 +139,7 @@ def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: An
         logger.error("not deployed: %s", problem)
         kopf.warn(body, reason="InvalidSpec", message=problem)
     return aggregate(
-        selected=selected, reports=reports, problem=problem,
+        selected=selected, excluded=excluded, reports=reports, problem=problem,
         generation=int(meta.get("generation", 0)), previous=dict(body.get("status", {})), now=_now(),
     )  # fmt: skip
 
@@ -174,7 +182,7 @@ def node_reported(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> No
         render.check_cache(ident)
         spec = parse_spec(cache.get("spec", {}))
         render.check_engine_config(render.engine_config(spec, ident))
-        selected = sorted(n["metadata"]["name"] for n in _selected_nodes(kube, spec))
+        selected = sorted(n["metadata"]["name"] for n in _selected_nodes(kube, spec)[0])
     except SpecError:
         selected = []  # the cache handler reports the spec; no node is ready for an invalid one
     _label_node(kube, ident, NodeReport.from_object(body), selected)

@@ -312,6 +312,7 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
                     "serviceAccountName": n["service_account"],
                     "nodeSelector": spec.node_selector,
                     "tolerations": spec.tolerations,
+                    **({"affinity": spec.affinity} if spec.affinity else {}),
                     "hostPID": spec.restart_kubelet,  # only to reach the host's systemd for the kubelet
                     "terminationGracePeriodSeconds": 30,
                     "initContainers": [

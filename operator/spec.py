@@ -16,6 +16,7 @@ from kubernetes.utils.quantity import parse_quantity as parse_k8s_quantity
 
 from flatcake.errors import ConfigError
 from flatcake.node_agent.constants import HUGEPAGE_BYTES, HUGETLBFS_MOUNTS, MAX_NODE_ID
+from flatcake.operator import scheduling
 
 GROUP = "flatcake.io"
 VERSION = "v1alpha1"
@@ -148,6 +149,7 @@ class CacheSpec:
     image_pull_policy: str
     node_selector: dict[str, str]
     tolerations: list[dict[str, Any]]
+    affinity: dict[str, Any]
     layers: int
     page_bytes: int
     page_tokens: int
@@ -223,11 +225,16 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
     check_labels("spec.nodeSelector", r.get("nodeSelector", dict, {}))
     check_labels("spec.metrics.serviceMonitor.labels", r.get("metrics.serviceMonitor.labels", dict, {}))
     pod = _pod_options(r)
+    affinity = dict(r.get("affinity", dict, {}))
+    problem = scheduling.affinity_problem(affinity)
+    if problem is not None:
+        raise SpecError(*problem)
     parsed = CacheSpec(
         image=r.get("image", str),
         image_pull_policy=r.get("imagePullPolicy", str, "IfNotPresent"),
         node_selector=dict(r.get("nodeSelector", dict, {})),
         tolerations=list(r.get("tolerations", list, [])),
+        affinity=affinity,
         layers=r.get("kv.layers", int),
         page_bytes=r.get("kv.pageBytes", int),
         page_tokens=r.get("kv.pageTokens", int),

@@ -11,6 +11,8 @@ from typing import Any
 
 from flatcake.operator.spec import format_bytes
 
+SHOWN = 10  # excluded nodes listed in the status: enough to see the pattern, bounded for big clusters
+
 
 @dataclass(frozen=True)
 class NodeReport:
@@ -56,9 +58,12 @@ def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
 
 
 def aggregate(*, selected: Sequence[str], reports: Sequence[NodeReport], problem: str, generation: int,
-              previous: Mapping[str, Any], now: str) -> dict[str, Any]:  # fmt: skip
+              previous: Mapping[str, Any], now: str,
+              excluded: Mapping[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """The status for a cache selecting ``selected`` nodes. ``problem`` is the spec problem that stopped
-    the last reconcile (empty when it applied); it makes the cache Degraded until fixed."""
+    the last reconcile (empty when it applied); it makes the cache Degraded until fixed. ``excluded``:
+    nodes matching spec.nodeSelector that get no agent, and why (shown, at most ``SHOWN`` of them)."""
+    left_out = [f"{n}: {why}" for n, why in sorted((excluded or {}).items())]
     by_node = {r.node: r for r in reports if r.node in set(selected)}
     ready = sorted(n for n, r in by_node.items() if r.ready)
     failing = sorted(f"{n}: {r.last_error}" for n, r in by_node.items() if r.last_error)
@@ -76,7 +81,8 @@ def aggregate(*, selected: Sequence[str], reports: Sequence[NodeReport], problem
     elif problem:
         progressing = (False, "Blocked", "fix the spec to continue")
     elif not selected:
-        progressing = (False, "NoNodes", "no node matches spec.nodeSelector")
+        why = "; ".join(left_out[:SHOWN]) if left_out else "no node matches spec.nodeSelector"
+        progressing = (False, "NoNodes", why)
     else:
         progressing = (True, "NodesPreparing", "waiting for " + ", ".join(waiting[:10]))
     conditions = [
@@ -102,6 +108,7 @@ def aggregate(*, selected: Sequence[str], reports: Sequence[NodeReport], problem
         "dram": format_bytes(dram),
         "ssd": format_bytes(ssd),
         "problem": problem,
+        "excludedNodes": left_out[:SHOWN],
         "conditions": conditions,
         "nodes": [
             {

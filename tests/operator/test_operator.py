@@ -250,6 +250,36 @@ async def test_create_renders_agents_and_reports_ready(cluster: Cluster) -> None
         assert cond["reason"] == "NodeErrors" and "node-b" in cond["message"]
 
 
+async def test_a_tainted_node_gets_no_node_id_until_tolerated_and_the_status_says_why(cluster: Cluster) -> None:
+    tainted = node("node-t")
+    tainted["spec"] = {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]}
+    await cluster.create(K.NODES, tainted)
+    async with running_operator(cluster.api):
+        await cluster.create(K.CACHES, cache_body())
+
+        async def listed() -> list[str] | None:
+            return (await cluster.cache_status()).get("excludedNodes") or None
+
+        excluded = await cluster.wait(listed, "the tainted node listed as excluded")
+        assert excluded == [
+            "node-t: taint nvidia.com/gpu=present:NoSchedule is not tolerated (add it to spec.tolerations)"
+        ]
+        ids = (await cluster.get(K.CONFIG_MAPS, f"{CACHE}-node-ids"))["data"]
+        assert sorted(ids) == ["node-a", "node-b"]  # readiness counts only nodes that get an agent
+        assert (await cluster.cache_status())["readyNodes"] == "0/2"
+        await cluster.patch(
+            K.CACHES, CACHE, {"spec": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}}
+        )
+
+        async def three_ids() -> bool:
+            cm = await cluster.get(K.CONFIG_MAPS, f"{CACHE}-node-ids")
+            return sorted((cm or {}).get("data", {})) == ["node-a", "node-b", "node-t"]
+
+        await cluster.wait(three_ids, "a NodeID for the tolerated node")
+        ds = await cluster.get(K.DAEMON_SETS, f"{CACHE}-agent")
+        assert ds["spec"]["template"]["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+
+
 async def _deployed(cluster: Cluster) -> tuple[dict[str, Any], EngineConfig]:
     ds = await cluster.wait(lambda: cluster.get(K.DAEMON_SETS, f"{CACHE}-agent"), "the agent DaemonSet")
     cm = await cluster.get(K.CONFIG_MAPS, f"{CACHE}-config")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from flatcake.errors import ConfigError
 from flatcake.node_agent.config import EngineConfig
-from flatcake.operator import changes, nodeids, render
+from flatcake.operator import changes, nodeids, render, scheduling
 from flatcake.operator.spec import (
     AGENT_MEMORY_BYTES,
     SpecError,
@@ -470,3 +470,84 @@ def test_bad_pod_options_name_the_field_and_the_fix() -> None:
                 {"resources": {"agent": {"limits": {"cpu": 1.5}}}}):  # fmt: skip
         with pytest.raises(jsonschema.ValidationError):
             admit("flatcake.io", "flatcakecaches", {"spec": spec(pod=pod)})
+
+
+def _node(name: str, labels: dict[str, str] | None = None, taints: list[dict[str, str]] | None = None,
+          cordoned: bool = False) -> dict[str, Any]:  # fmt: skip
+    return {"metadata": {"name": name, "labels": labels or {}},
+            "spec": {"taints": taints or [], "unschedulable": cordoned}}  # fmt: skip
+
+
+@pytest.mark.unit
+def test_nodes_without_an_agent_say_why_and_which_field_fixes_it() -> None:
+    gpu = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+    tainted = _node("gpu-1", taints=[gpu])
+    why = scheduling.why_excluded(tainted, [], {})
+    assert why is not None and "nvidia.com/gpu=present:NoSchedule" in why and "spec.tolerations" in why
+    # Tolerated by key and value, by key with Exists, or by an empty key with Exists; not by another value.
+    for toleration in ({"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
+                       {"key": "nvidia.com/gpu", "operator": "Exists"}, {"operator": "Exists"}):  # fmt: skip
+        assert scheduling.why_excluded(tainted, [toleration], {}) is None, toleration
+    assert scheduling.why_excluded(tainted, [{"key": "nvidia.com/gpu", "value": "absent"}], {}) is not None
+    assert scheduling.why_excluded(tainted, [{"operator": "Exists", "effect": "NoExecute"}], {}) is not None
+    # PreferNoSchedule never keeps a pod off; the taints every daemon pod tolerates do not either.
+    soft = {"key": "x", "effect": "PreferNoSchedule"}
+    pressure = {"key": "node.kubernetes.io/memory-pressure", "effect": "NoSchedule"}
+    assert scheduling.why_excluded(_node("n", taints=[soft, pressure]), [], {}) is None
+    cordoned = scheduling.why_excluded(_node("n", cordoned=True), [], {})
+    assert cordoned is not None and "uncordon" in cordoned
+
+
+@pytest.mark.unit
+def test_required_node_affinity_narrows_the_nodes_and_preferred_terms_do_not() -> None:
+    def required(*terms: dict[str, Any]) -> dict[str, Any]:
+        return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": list(terms)}}}
+
+    h200 = _node("a", {"gpu": "h200", "nvme": "4"})
+    a100 = _node("b", {"gpu": "a100", "nvme": "2"})
+    terms = required({"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200", "b200"]}]})
+    assert scheduling.why_excluded(h200, [], terms) is None
+    why = scheduling.why_excluded(a100, [], terms)
+    assert why is not None and "spec.affinity.nodeAffinity" in why
+    # Terms are ORed, expressions in a term ANDed; Gt compares integers; matchFields names the node.
+    either = required({"matchExpressions": [{"key": "nvme", "operator": "Gt", "values": ["3"]}]},
+                      {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["b"]}]})  # fmt: skip
+    assert scheduling.why_excluded(h200, [], either) is None and scheduling.why_excluded(a100, [], either) is None
+    both = required({"matchExpressions": [{"key": "gpu", "operator": "Exists"},
+                                          {"key": "nvme", "operator": "Lt", "values": ["3"]}]})  # fmt: skip
+    assert scheduling.why_excluded(h200, [], both) is not None and scheduling.why_excluded(a100, [], both) is None
+    assert scheduling.why_excluded(h200, [], required({})) is not None  # an empty term matches no node
+    preferred = {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 1,
+                    "preference": {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["b200"]}]},
+                }
+            ]
+        }
+    }
+    assert scheduling.why_excluded(a100, [], preferred) is None
+    # The spec carries it to the DaemonSet, and refuses terms the operator could not evaluate.
+    parsed = parse_spec(spec(affinity=terms))
+    ds = render.daemon_set(parsed, CACHE, render.engine_config(parsed, CACHE))
+    assert ds["spec"]["template"]["spec"]["affinity"] == terms
+    assert "affinity" not in render.daemon_set(parse_spec(spec()), CACHE, render.engine_config(parsed, CACHE))[
+        "spec"]["template"]["spec"]  # fmt: skip
+    bad = required({"matchExpressions": [{"key": "gpu", "operator": "Equals", "values": ["h200"]}]})
+    with pytest.raises(SpecError, match=r"nodeSelectorTerms\[0\]\.matchExpressions\[0\]\.operator.*not one of In"):
+        parse_spec(spec(affinity=bad))
+    with pytest.raises(SpecError, match="Exists takes no values"):
+        parse_spec(spec(affinity=required({"matchExpressions": [{"key": "g", "operator": "Exists", "values": ["x"]}]})))
+
+
+@pytest.mark.unit
+def test_status_lists_nodes_left_out_and_why() -> None:
+    status = aggregate(selected=[], excluded={"gpu-1": "taint t:NoSchedule is not tolerated (add it to spec.tolerations)"},
+                       reports=[], problem="", generation=1, previous={}, now="t")  # fmt: skip
+    assert status["excludedNodes"] == ["gpu-1: taint t:NoSchedule is not tolerated (add it to spec.tolerations)"]
+    progressing = {c["type"]: c for c in status["conditions"]}["Progressing"]
+    assert progressing["reason"] == "NoNodes" and "spec.tolerations" in progressing["message"]
+    many = aggregate(selected=["a"], excluded={f"n{i:03}": "cordoned" for i in range(50)}, reports=[], problem="",
+                     generation=1, previous={}, now="t")  # fmt: skip
+    assert len(many["excludedNodes"]) == 10
