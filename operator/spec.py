@@ -15,6 +15,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity as parse_k8s_quantity
 
 from flatcake.errors import ConfigError
+from flatcake.node_agent import geometry
 from flatcake.node_agent.constants import HUGEPAGE_BYTES, HUGETLBFS_MOUNTS, MAX_NODE_ID
 from flatcake.operator import scheduling
 
@@ -229,15 +230,17 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
     problem = scheduling.affinity_problem(affinity)
     if problem is not None:
         raise SpecError(*problem)
+    page_tokens = r.get("kv.pageTokens", int)
+    layers, page_bytes = _kv_geometry(r, page_tokens)
     parsed = CacheSpec(
         image=r.get("image", str),
         image_pull_policy=r.get("imagePullPolicy", str, "IfNotPresent"),
         node_selector=dict(r.get("nodeSelector", dict, {})),
         tolerations=list(r.get("tolerations", list, [])),
         affinity=affinity,
-        layers=r.get("kv.layers", int),
-        page_bytes=r.get("kv.pageBytes", int),
-        page_tokens=r.get("kv.pageTokens", int),
+        layers=layers,
+        page_bytes=page_bytes,
+        page_tokens=page_tokens,
         dram_bytes=parse_quantity(r.get("dram.size", str), "spec.dram.size"),
         hugepage_size=r.get("dram.hugepageSize", str),
         pinned=r.get("dram.pinned", bool),
@@ -299,6 +302,32 @@ def agent_resources(spec: CacheSpec) -> Resources:
             merged[part][name] = value
     check_resources("spec.pod.resources.agent", merged)
     return merged
+
+
+def _kv_geometry(r: _Reader, page_tokens: int) -> tuple[int, int]:
+    """(layers, pageBytes): derived from ``kv.model`` (the served model's config.json, as SGLang holds
+    its pages) when given, and then equal to ``kv.layers``/``kv.pageBytes`` where those are given too;
+    otherwise those two, required."""
+    given = {name: r.get(f"kv.{name}", int, None) for name in ("layers", "pageBytes")}
+    config = r.get("kv.model.config", dict, None)
+    if config is None:
+        missing = [name for name, value in given.items() if value is None]
+        if missing:
+            raise SpecError(f"spec.kv.{missing[0]}", "is required without spec.kv.model: name the served model "
+                            "(kv.model.config: its config.json; kv.model.tensorParallel) or give layers and "
+                            "pageBytes (flatcake geometry CONFIG.json --tp N prints them)")  # fmt: skip
+        return given["layers"] or 0, given["pageBytes"] or 0
+    tp, dtype = r.get("kv.model.tensorParallel", int, 1), r.get("kv.model.kvCacheDtype", str, "auto")
+    try:
+        derived = geometry.from_config(config, tp=tp, page_tokens=page_tokens, kv_dtype=dtype)
+    except ConfigError as exc:
+        raise SpecError("spec.kv.model.config", str(exc)) from None
+    for name, value in (("layers", derived.layers), ("pageBytes", derived.page_bytes)):
+        if given[name] is not None and given[name] != value:
+            raise SpecError(f"spec.kv.{name}", f"is {given[name]} but the model gives {value} ({derived.model_type}, "
+                            f"tensorParallel {tp}, kvCacheDtype {dtype}, pageTokens {page_tokens}); remove "
+                            f"spec.kv.{name} or fix spec.kv.model")  # fmt: skip
+    return derived.layers, derived.page_bytes
 
 
 def _pod_options(r: _Reader) -> PodOptions:

@@ -145,6 +145,7 @@ def test_sglang_example_matches_sglangs_parser_and_the_agents_paths(name: str) -
     body = {
         "dram": {"hugepageSize": "none" if directory else "2Mi"},
         "ssd": {"directory": "/mnt/nvme"} if directory else {"devices": ["/dev/nvme0n1"]},
+        "kv": {"layers": 43, "pageBytes": 12288},
     }
     spec = parse_spec(admit("flatcake.io", "flatcakecaches", {"spec": body})["spec"])
     config = R.engine_config(spec, cache)

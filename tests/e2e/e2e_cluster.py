@@ -60,6 +60,7 @@ def base_spec() -> dict[str, Any]:
         "image": IMAGE,
         "imagePullPolicy": "IfNotPresent",
         "nodeSelector": {"flatcake.io/node": "true"},
+        "kv": {"layers": 43, "pageBytes": 12288},
         "dram": {"size": "64Mi", "hugepageSize": "none"},
         "ssd": ssd,
         "reclaimPolicy": "Delete",

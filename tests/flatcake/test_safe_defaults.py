@@ -57,7 +57,13 @@ def test_agent_http_is_on_loopback_unless_configured(tmp_path: Path, capsys: pyt
 
 @pytest.mark.unit
 def test_the_operator_binds_each_agent_to_its_pod_ip() -> None:
-    parsed = parse_spec(admit("flatcake.io", "flatcakecaches", {"spec": {"ssd": {"directory": "/data/kv"}}})["spec"])
+    parsed = parse_spec(
+        admit(
+            "flatcake.io",
+            "flatcakecaches",
+            {"spec": {"ssd": {"directory": "/data/kv"}, "kv": {"layers": 43, "pageBytes": 12288}}},
+        )["spec"]
+    )
     cache = render.Cache("main", "kv", "uid-1")
     config = render.engine_config(parsed, cache)
     assert missing_required(config) == []  # what the operator renders, the agent's load() accepts

@@ -46,6 +46,7 @@ def cache_body(**spec: Any) -> dict[str, Any]:
         "nodeSelector": {"flatcake.io/node": "true"},
         "dram": {"size": "256Mi", "hugepageSize": "2Mi"},
         "ssd": {"devices": ["/dev/nvme0n1", "/dev/nvme1n1"], "fileSize": "1Gi", "fileCount": 8},
+        "kv": {"layers": 43, "pageBytes": 12288},
     }
     base.update(spec)
     return {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import subprocess
@@ -11,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
 from flatcake.errors import ConfigError
+from flatcake.node_agent import geometry
 from flatcake.node_agent.config import EngineConfig
 from flatcake.operator import changes, nodeids, render, scheduling
 from flatcake.operator.spec import (
@@ -32,7 +35,7 @@ CACHE = render.Cache("main", "kv", "uid-1")
 
 
 def spec(**over: Any) -> dict[str, Any]:
-    body = {"ssd": {"devices": ["/dev/nvme0n1"]}}
+    body = {"ssd": {"devices": ["/dev/nvme0n1"]}, "kv": {"layers": 43, "pageBytes": 12288}}
     body.update(over)
     admitted: dict[str, Any] = admit("flatcake.io", "flatcakecaches", {"spec": body})["spec"]  # CRD defaults
     return admitted
@@ -188,7 +191,7 @@ def test_destructive_changes() -> None:
     assert with_(ssd={"directory": "/data"}) == ["spec.ssd"]
     assert with_(ssd={"devices": ["/dev/nvme0n1"], "fileCount": 8}) == ["spec.ssd.fileCount"]
     assert with_(ssd={"devices": ["/dev/nvme0n1"], "fileSize": "2Gi"}) == ["spec.ssd.fileSize"]
-    assert with_(kv={"layers": 80}) == ["spec.kv"]
+    assert with_(kv={"layers": 80, "pageBytes": 12288}) == ["spec.kv"]
 
 
 @pytest.mark.unit
@@ -551,3 +554,36 @@ def test_status_lists_nodes_left_out_and_why() -> None:
     many = aggregate(selected=["a"], excluded={f"n{i:03}": "cordoned" for i in range(50)}, reports=[], problem="",
                      generation=1, previous={}, now="t")  # fmt: skip
     assert len(many["excludedNodes"]) == 10
+
+
+MODEL_CONFIGS = Path(__file__).parents[1] / "node_agent" / "model_configs"
+
+
+@pytest.mark.unit
+def test_kv_geometry_comes_from_the_named_model_and_given_bytes_are_cross_checked() -> None:
+    llama70b = json.loads((MODEL_CONFIGS / "llama-3.1-70b-instruct.json").read_text())
+    model = {"config": llama70b, "tensorParallel": 4}
+    parsed = parse_spec(spec(kv={"model": model}))
+    # 80 layers; 8 KV heads / 4 ranks x 128 dims x K and V x bf16 x 64 tokens = 65536 B a page-layer.
+    assert (parsed.layers, parsed.page_bytes, parsed.page_tokens) == (80, 65536, 64)
+    config = EngineConfig.from_dict(render.engine_config(parsed, CACHE))
+    assert (config.layers, config.page_bytes) == (80, 65536)
+    assert parse_spec(spec(kv={"model": model, "layers": 80, "pageBytes": 65536})).page_bytes == 65536  # agree
+    with pytest.raises(SpecError, match=r"spec\.kv\.pageBytes: is 131072 but the model gives 65536 .*tensorParallel 4"):
+        parse_spec(spec(kv={"model": model, "layers": 80, "pageBytes": 131072}))
+    fp8 = parse_spec(spec(kv={"model": {**model, "kvCacheDtype": "fp8_e4m3"}, "pageTokens": 32}))
+    assert fp8.page_bytes == 16384  # half the bytes a token, half the tokens a page
+    deepseek = json.loads((MODEL_CONFIGS / "deepseek-v3.json").read_text())
+    assert parse_spec(spec(kv={"model": {"config": deepseek, "tensorParallel": 8}})).layers == 61
+    with pytest.raises(SpecError, match=r"spec\.kv\.model\.config: tp: 3 ranks cannot share 8 KV heads"):
+        parse_spec(spec(kv={"model": {"config": llama70b, "tensorParallel": 3}}))
+    with pytest.raises(SpecError, match=r"spec\.kv\.layers: is required without spec\.kv\.model"):
+        parse_spec(spec(kv={"pageTokens": 64}))  # no silent default model any more
+
+
+@pytest.mark.unit
+def test_the_crds_kv_cache_dtypes_are_the_geometrys() -> None:
+    crd = yaml.safe_load((Path(__file__).parents[2] / "crds" / "flatcakecaches.yaml").read_text())
+    kv = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["kv"]
+    assert kv["properties"]["model"]["properties"]["kvCacheDtype"]["enum"] == list(geometry.KV_DTYPES)
+    assert "default" not in kv["properties"]["layers"] and "default" not in kv["properties"]["pageBytes"]
