@@ -17,8 +17,13 @@ server and the scheduler and detokenizer processes it spawns) and this source tr
         warm = server.generate(input_ids=prompt) # warm.cached_storage == 1984 of 2048 (31 pages)
 
 Numerics: greedy logprobs of a prompt restored from L3 equal, bit for bit, those of the same prompt
-computed cold, except on the first request a fresh server decodes: from its fourth output token on, its
-logprobs may differ by ~1e-2 (seen on 3 of 5 fresh servers). ``warm_up`` spends that first request.
+computed cold. That needs kernels whose results do not depend on the shapes: oneDNN's AMX bf16 kernels
+(Sapphire Rapids and later) make extending a cached prefix differ from a whole prefill in the fifth
+digit, from the device tier as from storage and with SGLang's own file backend (measured), so the
+server runs with oneDNN capped below AMX (``ONEDNN_MAX_CPU_ISA=AVX512_CORE``, ``DETERMINISTIC_ENV``;
+a cap, so a CPU without AVX-512 is unaffected; an ``ONEDNN_MAX_CPU_ISA`` already set wins). The first
+request a fresh server decodes may differ by ~1e-2 from its fourth output token on (seen on 3 of 5
+fresh servers); ``warm_up`` spends it.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ PYTHON_ENV = "FLATCAKE_SGLANG_PYTHON"
 DEFAULT_PYTHON = ROOT / ".venv" / "sglang-server" / "bin" / "python"
 LAYOUTS = ("layer_first", "page_first_direct")  # what --hicache-io-backend direct moves (pool_host/mha.py)
 BACKUP_METRIC = "sglang:backuped_tokens_total"
+DETERMINISTIC_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}  # no AMX: results independent of the shapes
 
 
 def server_python() -> Path:
@@ -236,6 +242,8 @@ class SGLangServer:
             HF_HUB_OFFLINE="1",
             SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=str(self.file_dir),
         )
+        for name, value in DETERMINISTIC_ENV.items():
+            env.setdefault(name, value)
         env.update(self.extra_env)
         return env
 

@@ -62,3 +62,18 @@ def test_a_patched_name_that_moved_is_a_clear_error() -> None:
     done = run_server_python(MOVED)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "HostKVCache is gone" in done.stdout and "loadgen/serve/sglang_cpu" in done.stdout
+
+
+def test_the_server_runs_with_kernels_whose_results_do_not_depend_on_the_shapes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """oneDNN's AMX kernels make a prefix hit's logprobs differ from a whole prefill's (measured on a
+    Sapphire Rapids VM, from the device tier too): the harness caps oneDNN below AMX, as a default a
+    caller's environment overrides."""
+    from flatcake.loadgen.serve.server import DETERMINISTIC_ENV, SGLangServer
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    server = SGLangServer(tmp_path / "model", workdir=tmp_path / "sglang", python=Path("/bin/true"))
+    assert server.environment()["ONEDNN_MAX_CPU_ISA"] == DETERMINISTIC_ENV["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert server.environment()["ONEDNN_MAX_CPU_ISA"] == "AVX2"
