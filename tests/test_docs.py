@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flatcake import crds
+from devtools import crd_docs as crds
 from flatcake import metrics as M
 from flatcake.node_agent.config import EngineConfig
 

@@ -15,7 +15,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from flatcake.chart import REPO
+from devtools.chart import REPO
 from flatcake.loadgen.traces.formats import BUNDLED_TRACE, read_trace
 from flatcake.net import free_port
 from flatcake.operator import render as R

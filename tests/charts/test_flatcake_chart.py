@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from flatcake import chart
+from devtools import chart
 from tests.support.helm import KUBERNETES, helm, render
 from tests.support.kube_api import admit
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from flatcake import dashboards as D
+from devtools import dashboards as D
 from flatcake import metrics as M
 from tests.support import ROOT
 

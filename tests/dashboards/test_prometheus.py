@@ -3,7 +3,7 @@ a node agent, an emulator that is its client, the Locust replay's own metrics en
 SGLang server (CPU) whose FlatCake backend uses a second agent (the Overview dashboard and the hit-rate
 alerts read SGLang's own series). Queries
 are sent as Grafana sends them: variables replaced, `$__rate_interval` computed from the scrape
-interval (flatcake.dashboards.concrete)."""
+interval (devtools.dashboards.concrete)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flatcake import dashboards as D
+from devtools import dashboards as D
 from flatcake.errors import ProtocolError
 from flatcake.loadgen.bench import e2e
 from flatcake.loadgen.emulator.config import EmulatorConfig

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flatcake import dashboards as D
+from devtools import dashboards as D
 from flatcake.operator import render
 
 pytestmark = pytest.mark.system

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from flatcake.chart import CHART
+from devtools.chart import CHART
 
 KUBERNETES = "1.34.0"  # the kubectl shipped with our helm; the chart declares kubeVersion >=1.27
 HELM = shutil.which("helm") or shutil.which("helm", path=str(Path(sys.prefix) / "bin"))
