@@ -1,4 +1,9 @@
-"""The ``flatcake`` command."""
+"""The ``flatcake`` command.
+
+Why one file of this size: it is the command's whole surface, a parser per command group
+(``_add_*``) and a short handler per command that imports its subsystem only when run (``flatcake
+--help`` loads none of them); the work lives in the subsystems.
+"""
 
 from __future__ import annotations
 

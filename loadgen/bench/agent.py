@@ -7,6 +7,9 @@ agent); ``lookup_socket`` is the same question asked over the socket, as every l
 The agent runs as its own process (``flatcake agent serve``), as on a node; each client is a process
 with one connection, calling back to back for a fixed time. Latency is per call, from sending the
 request to decoding the reply.
+
+Its parts (latency, throughput, restart at 1 GiB and at 1M/10M keys) stay in one module: they share
+the agent-process harness and write one JSON.
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ Prepared pages (read from SSD before dispatch) wait in the request's host stagin
 both sides: SGLang holds them in its host pool until the request loads them. Both are bounded the
 same way, by the tokens in flight against half the host pool: tiered declines past it, FlatCake's
 prefetches wait. At dispatch they are copied into HBM layer by layer under the prefill.
+
+Why one module of this size: a request's life (admit, restore, prefill, decode, store) is one
+state machine over one clock; storage wiring is storage.py, settings config.py, the HTTP face
+server.py and what it accepts params.py.
 """
 
 from __future__ import annotations

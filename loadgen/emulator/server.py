@@ -23,6 +23,7 @@ from prometheus_client import generate_latest
 import flatcake
 from flatcake.errors import ConfigError
 from flatcake.loadgen import tokens
+from flatcake.loadgen.emulator import params as P
 from flatcake.loadgen.emulator.config import EmulatorConfig, MiB
 from flatcake.loadgen.emulator.core import Emulator, Outcome
 
@@ -32,50 +33,11 @@ EMULATOR: web.AppKey[Emulator] = web.AppKey("emulator")
 
 
 # ---- HTTP ----------------------------------------------------------------------------------------
-# The OpenAI (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) and SGLang (``/generate``,
-# ``/flush_cache``, ...) conventions that common clients rely on (``openai``, ``sglang.bench_serving``
-# with the sglang, sglang-oai, vllm and their -chat backends, Locust). Prompts are text or token ids;
-# text is tokenized by the rule in flatcake.loadgen.tokens (4 characters a token), which the load
-# generator shares. The output is synthetic: token i is the 4 characters " tNN" (NN = i mod 100), one
-# token under the same rule.
-# A parameter is served, accepted as a no-op (sampling parameters: they choose among a model's tokens,
-# and there is no model), or refused with a 400 that names it: never silently ignored.
+# The OpenAI and SGLang endpoints; what each accepts, and the 400 naming what it does not, is
+# loadgen/emulator/params.py. The output is synthetic: token i is the 4 characters " tNN" (NN = i mod
+# 100), one token under the tokenization rule.
 MODEL_NAME = "flatcake-emulator"
 HTTP: web.AppKey[_Http] = web.AppKey("http")
-MAX_BATCH = 256  # prompts in one request
-MAX_N = 128  # choices per prompt
-MAX_STOPS = 4  # OpenAI's limit on stop strings
-
-# Accepted and changing nothing: they shape sampling, and the output is synthetic.
-_SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                       "repetition_penalty", "ignore_eos", "logit_bias", "user"})  # fmt: skip
-# Accepted only at their "off" value (a non-default value would ask for something not served).
-_OAI_OFF: dict[str, tuple[object, ...]] = {
-    "logprobs": (None,), "echo": (None, False), "suffix": (None, ""), "lora_path": (None,), "image_data": (None,),
-}  # fmt: skip
-_OAI_SERVED = frozenset({"model", "prompt", "max_tokens", "min_tokens", "stream", "stream_options", "n", "best_of",
-                         "stop", "return_cached_tokens_details"})  # fmt: skip
-# Chat: tools, structured output and logprobs ask for what a synthetic output cannot give.
-_CHAT_OFF: dict[str, tuple[object, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, ()), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}), "lora_path": (None,), "parallel_tool_calls": (None, True),
-}  # fmt: skip
-_CHAT_SERVED = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "min_tokens", "stream",
-                          "stream_options", "n", "stop", "return_cached_tokens_details"})  # fmt: skip
-_GEN_OFF: dict[str, tuple[object, ...]] = {
-    "return_logprob": (None, False), "top_logprobs_num": (None, 0), "token_ids_logprob": (None,),
-    "lora_path": (None,), "return_routed_experts": (None, False), "return_hidden_states": (None, False),
-    "image_data": (None,), "custom_logit_processor": (None,),
-}  # fmt: skip
-# logprob_start_len and return_text_in_logprobs only matter with return_logprob, which is refused.
-_GEN_SERVED = frozenset({"text", "input_ids", "sampling_params", "stream", "rid", "logprob_start_len",
-                         "return_text_in_logprobs"})  # fmt: skip
-_SP_OFF: dict[str, tuple[object, ...]] = {
-    "n": (None, 1), "stop_token_ids": (None, ()), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
-    "structural_tag": (None,),
-}  # fmt: skip
-_SP_SERVED = frozenset({"max_new_tokens", "min_new_tokens", "stop", "skip_special_tokens",
-                        "spaces_between_special_tokens", "no_stop_trim", "sampling_seed"})  # fmt: skip
 
 
 @dataclass
@@ -88,111 +50,6 @@ class _Http:
 def output_token(i: int) -> str:
     """The ``i``-th synthetic output token: 4 characters, so one token under the tokenization rule."""
     return f" t{i % 100:02d}"
-
-
-def _bad_request(message: str, param: str | None = None) -> web.HTTPBadRequest:
-    error = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
-    return web.HTTPBadRequest(text=json.dumps({"error": error}), content_type="application/json")
-
-
-def _same(value: object, allowed: tuple[object, ...]) -> bool:
-    # Type-aware: 0 is not False (logprobs=0 asks for logprobs), () stands for any empty list.
-    return any(
-        value is a or (type(value) is type(a) and value == a) or (a == () and isinstance(value, list) and not value)
-        for a in allowed
-    )
-
-
-def _check_params(
-    body: dict[str, Any], served: frozenset[str], off: dict[str, tuple[object, ...]], prefix: str = ""
-) -> None:
-    unknown = sorted(set(body) - served - _SAMPLING - set(off))
-    if unknown:
-        names = ", ".join(prefix + u for u in unknown)
-        raise _bad_request(f"{names}: not supported by the emulator (docs/benchmarks.md lists what is)", unknown[0])
-    for name, allowed in off.items():
-        if name in body and not _same(body[name], allowed):
-            shown = " or ".join("[]" if a == () else json.dumps(a) for a in allowed)
-            raise _bad_request(
-                f"{prefix}{name}: {json.dumps(body[name])} is not supported by the emulator (its output is "
-                f"synthetic); leave it unset or {shown}",
-                prefix + name,
-            )
-
-
-def _token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-def _prompts(value: Any, name: str) -> tuple[list[list[int]], bool]:
-    """The token ids of each prompt, and whether the request was a batch. Text is tokenized by the
-    shared rule (flatcake.loadgen.tokens)."""
-    if isinstance(value, str):
-        return [tokens.encode(value)], False
-    if isinstance(value, list) and value:
-        if all(isinstance(v, str) for v in value):
-            batch = [tokens.encode(v) for v in value]
-        elif all(isinstance(v, list) for v in value):
-            if not all(_token_ids(v) and v for v in value):
-                raise _bad_request(f"{name}: each prompt of a batch must be non-empty token ids (list of int)", name)
-            batch = list(value)
-        elif _token_ids(value):
-            return [list(value)], False
-        else:
-            batch = []
-        if batch:
-            if len(batch) > MAX_BATCH:
-                raise _bad_request(f"{name}: {len(batch)} prompts; at most {MAX_BATCH} in one request", name)
-            return batch, True
-    raise _bad_request(
-        f"{name}: a string, a list of strings, token ids (list of int) or a list of token-id lists", name
-    )
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except json.JSONDecodeError:
-        raise _bad_request("body is not JSON") from None
-    if not isinstance(body, dict):
-        raise _bad_request("body must be an object")
-    return body
-
-
-def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
-    """An optional nested object (``stream_options``, ``sampling_params``): absent or null is empty."""
-    value = body.get(name)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise _bad_request(f"{name}: an object, got {type(value).__name__}", name)
-    return value
-
-
-def _flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _bad_request(f"{name}: true or false, got {type(value).__name__}", name)
-    return value
-
-
-def _int(value: Any, name: str, default: int, hi: int) -> int:
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value > hi:
-        raise _bad_request(f"{name}: an integer in 1..{hi}", name)
-    return value
-
-
-def _stops(value: Any, name: str) -> list[str]:
-    if value is None:
-        return []
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
-        raise _bad_request(f"{name}: a non-empty string or a list of at most {MAX_STOPS} of them", name)
-    return stops
 
 
 @dataclass
@@ -354,11 +211,11 @@ async def _end_stream(resp: web.StreamResponse) -> web.StreamResponse:
 def _stream_usage(body: dict[str, Any], stream: bool) -> bool:
     """OpenAI's ``stream_options``: allowed only with ``stream``; whether ``include_usage`` asks for the
     final usage chunk (``choices: []``)."""
-    options = _object(body, "stream_options")
+    options = P.nested(body, "stream_options")
     if options and not stream:
-        raise _bad_request("stream_options: only allowed when stream is true", "stream_options")
-    _check_params(options, frozenset({"include_usage"}), {}, "stream_options.")
-    return _flag(options, "include_usage")
+        raise P.bad_request("stream_options: only allowed when stream is true", "stream_options")
+    P.check_params(options, frozenset({"include_usage"}), {}, "stream_options.")
+    return P.flag(options, "include_usage")
 
 
 @dataclass(frozen=True)
@@ -374,13 +231,13 @@ class _OpenAIOptions:
 
 
 def _openai_options(body: dict[str, Any]) -> _OpenAIOptions:
-    stream = _flag(body, "stream")
+    stream = P.flag(body, "stream")
     return _OpenAIOptions(
-        n=_int(body.get("n"), "n", 1, MAX_N),
-        stops=_stops(body.get("stop"), "stop"),
+        n=P.bounded_int(body.get("n"), "n", 1, P.MAX_N),
+        stops=P.stops(body.get("stop"), "stop"),
         stream=stream,
         include_usage=_stream_usage(body, stream),
-        details=_flag(body, "return_cached_tokens_details"),
+        details=P.flag(body, "return_cached_tokens_details"),
         model=str(body.get("model") or MODEL_NAME),
     )
 
@@ -388,14 +245,14 @@ def _openai_options(body: dict[str, Any]) -> _OpenAIOptions:
 async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI ``POST /v1/completions``: text or token-id prompts, batches, ``n``, ``stop``, ``stream``
     (the usage chunk with ``choices: []`` only when ``stream_options.include_usage`` asks for it)."""
-    body = await _body(request)
-    _check_params(body, _OAI_SERVED, _OAI_OFF)
-    prompts, _ = _prompts(body.get("prompt"), "prompt")
-    limit = _int(body.get("max_tokens"), "max_tokens", 16, 65536)
+    body = await P.body_of(request)
+    P.check_params(body, P.OAI_SERVED, P.OAI_OFF)
+    prompts, _ = P.prompts(body.get("prompt"), "prompt")
+    limit = P.bounded_int(body.get("max_tokens"), "max_tokens", 16, 65536)
     opts = _openai_options(body)
     n, stops, details = opts.n, opts.stops, opts.details
-    if body.get("best_of") is not None and _int(body["best_of"], "best_of", 1, MAX_N) != n:
-        raise _bad_request("best_of: only best_of = n is served (the emulator does not rank choices)", "best_of")
+    if body.get("best_of") is not None and P.bounded_int(body["best_of"], "best_of", 1, P.MAX_N) != n:
+        raise P.bad_request("best_of: only best_of = n is served (the emulator does not rank choices)", "best_of")
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -427,62 +284,19 @@ def _sglext(emu: Emulator, outs: Sequence[Outcome], details: bool) -> dict[str, 
     return {"sglext": {"cached_tokens_details": _details(emu, outs)}} if details else {}
 
 
-# The chat template: each message is ``<|ROLE|>\n`` + its text + ``<|end|>\n``, and the prompt ends with
-# ``<|assistant|>\n`` (where the reply goes). A message's rendering depends on it alone, and the
-# generation prompt is how the assistant's message begins, so turn k+1's prompt (turn k's messages, the
-# reply, a new user message) starts with turn k's prompt: a growing conversation is a shared prefix,
-# and under the 4-characters rule a shared token prefix (page keys follow it).
-CHAT_ROLES = ("system", "user", "assistant")
-
-
-def chat_prompt(messages: Any) -> str:
-    """The prompt text of OpenAI chat ``messages`` (content: a string or a list of ``text`` parts,
-    joined). Bad input is a 400 naming the message and field."""
-    if not isinstance(messages, list) or not messages:
-        raise _bad_request("messages: a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad_request(f"{where}: an object with role and content", where)
-        extra = sorted(set(m) - {"role", "content"})
-        if extra:
-            raise _bad_request(f"{where}.{extra[0]}: not supported by the emulator (only role and content)",
-                               f"{where}.{extra[0]}")  # fmt: skip
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise _bad_request(f"{where}.role: {json.dumps(role)} must be one of {', '.join(CHAT_ROLES)}",
-                               f"{where}.role")  # fmt: skip
-        out.append(f"<|{role}|>\n{_chat_text(m.get('content'), where + '.content')}<|end|>\n")
-    return "".join(out) + "<|assistant|>\n"
-
-
-def _chat_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise _bad_request(f"{where}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
-                                   f"supported, got {json.dumps(kind)}", f"{where}[{j}]")  # fmt: skip
-            parts.append(part["text"])
-        return "".join(parts)
-    raise _bad_request(f"{where}: a string or a non-empty list of text parts", where)
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI ``POST /v1/chat/completions``: ``messages`` rendered by ``chat_prompt`` and tokenized by
     the shared rule; ``max_completion_tokens`` (or ``max_tokens``; default 128, SGLang's), ``n``,
     ``stop``, ``stream`` (``chat.completion.chunk`` deltas; the usage chunk only with
     ``stream_options.include_usage``)."""
-    body = await _body(request)
-    _check_params(body, _CHAT_SERVED, _CHAT_OFF)
-    prompt = tokens.encode(chat_prompt(body.get("messages")))
-    limits = {k: _int(body.get(k), k, 128, 65536) for k in ("max_completion_tokens", "max_tokens") if k in body}
+    body = await P.body_of(request)
+    P.check_params(body, P.CHAT_SERVED, P.CHAT_OFF)
+    prompt = tokens.encode(P.chat_prompt(body.get("messages")))
+    limits = {
+        k: P.bounded_int(body.get(k), k, 128, 65536) for k in ("max_completion_tokens", "max_tokens") if k in body
+    }
     if len(set(limits.values())) > 1:
-        raise _bad_request("max_tokens: differs from max_completion_tokens; give one of them", "max_tokens")
+        raise P.bad_request("max_tokens: differs from max_completion_tokens; give one of them", "max_tokens")
     limit = next(iter(limits.values()), 128)
     opts = _openai_options(body)
     n, stops, details = opts.n, opts.stops, opts.details
@@ -523,21 +337,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def generate(request: web.Request) -> web.StreamResponse:
     """SGLang ``POST /generate``: ``text`` or ``input_ids`` (one prompt or a batch), ``sampling_params``
     (``max_new_tokens``, ``stop``), ``stream`` (cumulative text per event, as SGLang streams)."""
-    body = await _body(request)
-    _check_params(body, _GEN_SERVED, _GEN_OFF)
+    body = await P.body_of(request)
+    P.check_params(body, P.GEN_SERVED, P.GEN_OFF)
     if ("text" in body) == ("input_ids" in body):
-        raise _bad_request("text or input_ids: give exactly one of them", "input_ids")
+        raise P.bad_request("text or input_ids: give exactly one of them", "input_ids")
     name = "text" if "text" in body else "input_ids"
     if name == "text" and not (isinstance(body["text"], str) or _strings(body["text"])):
-        raise _bad_request("text: a string or a list of strings (token ids go in input_ids)", "text")
+        raise P.bad_request("text: a string or a list of strings (token ids go in input_ids)", "text")
     if name == "input_ids" and (isinstance(body["input_ids"], str) or _strings(body["input_ids"])):
-        raise _bad_request("input_ids: token ids (list of int) or a list of them (text goes in text)", "input_ids")
-    prompts, batched = _prompts(body[name], name)
-    sp = _object(body, "sampling_params")
-    _check_params(sp, _SP_SERVED, _SP_OFF, "sampling_params.")
-    limit = _int(sp.get("max_new_tokens"), "sampling_params.max_new_tokens", 128, 65536)
-    stops = _stops(sp.get("stop"), "sampling_params.stop")
-    stream = _flag(body, "stream")
+        raise P.bad_request("input_ids: token ids (list of int) or a list of them (text goes in text)", "input_ids")
+    prompts, batched = P.prompts(body[name], name)
+    sp = P.nested(body, "sampling_params")
+    P.check_params(sp, P.SP_SERVED, P.SP_OFF, "sampling_params.")
+    limit = P.bounded_int(sp.get("max_new_tokens"), "sampling_params.max_new_tokens", 128, 65536)
+    stops = P.stops(sp.get("stop"), "sampling_params.stop")
+    stream = P.flag(body, "stream")
     rids = body.get("rid")
 
     def result(ev: _Event, text: str) -> dict[str, Any]:

@@ -6,6 +6,9 @@ Each node has its storage devices; each serving instance (a tensor/expert-parall
 ``width`` GPUs) has a GPU that prefills one request at a time, an HBM prefix cache and a host-to-device
 link. Everything is in one rank's view: a page is one rank's ``layers x page_layer_bytes`` and the
 node's devices and DRAM/SSD are divided by the ranks that share them (ranks are symmetric).
+
+Why one module of this size: the three systems share the node model (devices, HBM, links) and are
+charged by the same rules, which stay comparable only side by side; each system is one class.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ Concurrency contract: writers (reserve, publish, abort, reclaim, pin) hold ``sel
 seqlock), entries are inserted only after their bytes are written (publish after write), and an entry
 is deleted before its space can be reused (reclaim happens under the lock, and only for unpinned
 scopes). A reader that wants to read bytes pins first; ``pin`` re-validates each entry under the lock.
+
+Why one module of this size: the scope table, allocation, publish and reclaim keep one invariant
+together (a scope's pages, index entries and extents are freed at once, never under a pin), and it
+is checked in one place; the index (keyindex.py) and extents (extents.py) are apart.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ import pytest
 
 from flatcake.loadgen import tokens
 from flatcake.loadgen.emulator.config import EmulatorConfig
-from flatcake.loadgen.emulator.server import chat_prompt, output_token
+from flatcake.loadgen.emulator.params import chat_prompt
+from flatcake.loadgen.emulator.server import output_token
 from flatcake.loadgen.replay.requests import body, path, prompt_tokens, read_stream
 from flatcake.loadgen.traces.formats import TraceRequest
 from tests.support import bench_serving
