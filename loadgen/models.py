@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flatcake.node_agent import ConfigError, round_up
+from flatcake.node_agent import ConfigError
+from flatcake.node_agent.datapath.buffers import round_up
 
 
 @dataclass(frozen=True)

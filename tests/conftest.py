@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from flatcake.node_agent import Engine, IOBackend
+from flatcake.node_agent import Engine
+from flatcake.node_agent.datapath.io_backends import IOBackend
 from tests.support.agents import AgentThread
 from tests.support.engines import small_config
 

@@ -42,21 +42,20 @@ from flatcake.node_agent import (
     EngineConfig,
     Hints,
     IOConfig,
-    LocalCatalog,
-    Medium,
     PoolFullError,
-    RemoteCatalog,
-    SharedIndexWriter,
     SsdConfig,
     aligned_empty,
     connect,
-    create_pool,
-    local_table,
-    open_index,
-    slots_for,
     spawn,
 )
-from flatcake.node_agent import protocol as P
+from flatcake.node_agent.catalog.local import LocalCatalog
+from flatcake.node_agent.catalog.shared_index import SharedIndexWriter
+from flatcake.node_agent.datapath.engine import local_table
+from flatcake.node_agent.datapath.file_pool import create_pool
+from flatcake.node_agent.policy.gva import Medium
+from flatcake.node_agent.policy.keyindex import slots_for
+from flatcake.node_agent.service import protocol as P
+from flatcake.node_agent.service.client import RemoteCatalog, open_index
 
 PARTS = ("latency", "capacity", "restart", "restart_keys", "index", "journal")
 

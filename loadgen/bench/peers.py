@@ -44,7 +44,8 @@ from flatcake.loadgen.systems.base import RestoreCounters, System, SystemSpec, p
 from flatcake.loadgen.systems.mooncake import MooncakeSystem
 from flatcake.loadgen.traces.formats import MOONCAKE_TRACE, read_trace
 from flatcake.loadgen.traces.sessions import Session, pick, sessions
-from flatcake.node_agent import ChainSignals, ConfigError, aligned_empty, round_up
+from flatcake.node_agent import ChainSignals, ConfigError, aligned_empty
+from flatcake.node_agent.datapath.buffers import round_up
 
 MiB = 1 << 20
 PEERS = names.names("peers")

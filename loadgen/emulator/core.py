@@ -55,12 +55,8 @@ from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.emulator.storage import Storage
 from flatcake.loadgen.overlap import latest, prefill_end
 from flatcake.loadgen.systems import hicache_rules as hicache
-from flatcake.node_agent import (
-    ChainSignals,
-    Request,
-    Scheduler,
-    aligned_empty,
-)
+from flatcake.node_agent import ChainSignals, aligned_empty
+from flatcake.node_agent.policy.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from flatcake.loadgen.emulator.config import EmulatorConfig, MiB
 from flatcake.loadgen.overlap import even_arrivals
 from flatcake.loadgen.systems.tiered import PageStore, TieredStore
 from flatcake.node_agent import (
-    SSD_THRESHOLD,
     ChainSignals,
     DramConfig,
     Engine,
@@ -27,6 +26,7 @@ from flatcake.node_agent import (
     ThreadBuffers,
     aligned_empty,
 )
+from flatcake.node_agent.policy.gva import SSD_THRESHOLD
 
 log = logging.getLogger(__name__)
 

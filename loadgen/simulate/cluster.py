@@ -28,19 +28,12 @@ from flatcake.loadgen.simulate.events import EventLoop
 from flatcake.loadgen.simulate.hbm import HbmCache
 from flatcake.loadgen.simulate.workload import SimRequest, route
 from flatcake.loadgen.systems import hicache_rules as hicache
-from flatcake.node_agent import (
-    SSD_THRESHOLD,
-    ChainSignals,
-    Hints,
-    LocalCatalog,
-    Location,
-    Medium,
-    PlacementConfig,
-    Request,
-    Scheduler,
-    ScopeTable,
-    plan_restore,
-)
+from flatcake.node_agent import ChainSignals, Hints, PlacementConfig
+from flatcake.node_agent.catalog.local import LocalCatalog
+from flatcake.node_agent.policy.coalesce import plan_restore
+from flatcake.node_agent.policy.gva import SSD_THRESHOLD, Medium
+from flatcake.node_agent.policy.scheduler import Request, Scheduler
+from flatcake.node_agent.policy.scopes import Location, ScopeTable
 
 SYSTEMS = names.names("simulate")
 OFFSET_MASK = (1 << 48) - 1

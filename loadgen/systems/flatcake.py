@@ -11,17 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flatcake.loadgen.systems.base import Array, MiB, RequestTiming, RestoreCounters, SystemSpec
-from flatcake.node_agent import (
-    SSD_THRESHOLD,
-    DramConfig,
-    Engine,
-    EngineConfig,
-    Hints,
-    IOConfig,
-    Key,
-    SsdConfig,
-    round_up,
-)
+from flatcake.node_agent import DramConfig, Engine, EngineConfig, Hints, IOConfig, Key, SsdConfig
+from flatcake.node_agent.datapath.buffers import round_up
+from flatcake.node_agent.policy.gva import SSD_THRESHOLD
 
 
 def engine_config(spec: SystemSpec, pool_dir: Path, dram: DramConfig, streams: int = 1) -> EngineConfig:

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from flatcake.loadgen.systems.base import Array, RestoreCounters, StoreSystem, SystemSpec
-from flatcake.node_agent import Key, aligned_empty, open_direct
+from flatcake.node_agent import Key, aligned_empty
+from flatcake.node_agent.datapath.file_pool import open_direct
 
 
 class PerBlockStore:

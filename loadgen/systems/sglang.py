@@ -28,16 +28,8 @@ import numpy as np
 
 from flatcake.loadgen.systems.base import Array, RequestTiming, RestoreCounters, SystemSpec
 from flatcake.loadgen.systems.flatcake import engine_config, medium_of
-from flatcake.node_agent import (
-    AgentConfig,
-    ConfigError,
-    DramConfig,
-    Hints,
-    IOConfig,
-    Key,
-    round_up,
-    spawn,
-)
+from flatcake.node_agent import AgentConfig, ConfigError, DramConfig, Hints, IOConfig, Key, spawn
+from flatcake.node_agent.datapath.buffers import round_up
 
 BATCH = 128  # sglang.srt.mem_cache.hicache_storage.STORAGE_BATCH_SIZE in 0.5.23
 MHA_HEADS, MHA_HEAD_DIM = 2, 128  # an MHA page-layer of 2 (K, V) x heads x dim x 2 bytes per token

@@ -26,7 +26,9 @@ import numpy as np
 
 from flatcake.loadgen.systems.base import Array, MiB, RequestTiming, RestoreCounters, StoreSystem, SystemSpec
 from flatcake.loadgen.systems.hicache_rules import STORAGE_BATCH_PAGES
-from flatcake.node_agent import Key, PosixDirectIO, aligned_empty, create_pool
+from flatcake.node_agent import Key, aligned_empty
+from flatcake.node_agent.datapath.file_pool import create_pool
+from flatcake.node_agent.datapath.io_backends import PosixDirectIO
 
 READERS = ("whole_page", "page_layer")
 

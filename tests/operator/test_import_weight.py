@@ -36,3 +36,18 @@ def test_the_face_still_gives_every_name_it_lists() -> None:
     assert sorted(dir(face)) == sorted(face.__all__)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         face.nope  # noqa: B018
+
+
+def test_the_face_is_what_a_user_programs_against() -> None:
+    """Issue 30: configuration, the engine and its restores, the client, hints and errors; the agent's
+    internal decisions (placement, FC-MAS, read plans, the scope table) are reached by module path."""
+    import flatcake.node_agent as face
+    from flatcake import errors
+
+    user = {"AgentConfig", "DramConfig", "EngineConfig", "IOConfig", "PlacementConfig", "SsdConfig", "Engine",
+            "PutResult", "Restore", "HostRestore", "connect", "AgentConnection", "spawn", "Hints", "Key",
+            "ChainSignals", "aligned_empty", "ThreadBuffers"}  # fmt: skip
+    error_names = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.FlatCakeError)}
+    assert set(face.__all__) - error_names == user
+    for internal in ("ScopeTable", "Scheduler", "plan_restore", "decide", "LocalCatalog", "protocol"):
+        assert not hasattr(face, internal), internal

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from flatcake.node_agent import AgentConfig, DramConfig, EngineConfig, IOBackend, IOConfig, SsdConfig, aligned_empty
+from flatcake.node_agent import AgentConfig, DramConfig, EngineConfig, IOConfig, SsdConfig, aligned_empty
+from flatcake.node_agent.datapath.io_backends import IOBackend
 
 _names = itertools.count()
 

@@ -9,11 +9,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from flatcake.errors import ConfigError
-from flatcake.node_agent import SSD_THRESHOLD
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.config import PlacementConfig
 from flatcake.node_agent.policy.adaptive import ReuseModel
-from flatcake.node_agent.policy.gva import Medium
+from flatcake.node_agent.policy.gva import SSD_THRESHOLD, Medium
 from flatcake.node_agent.policy.placement import Decision, Hints, Reason
 from flatcake.node_agent.policy.scopes import ScopeTable
 
