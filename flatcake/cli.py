@@ -115,6 +115,8 @@ def _trace_stats(args: argparse.Namespace) -> int:
     from flatcake.loadgen.traces.formats import read_trace
 
     stats, per_block, dist = ts.compute_with_data(read_trace(args.trace, args.limit), progress=not args.quiet)
+    if not stats["requests"]:
+        raise ConfigError(f"{args.trace}: no requests in it (an empty file, or --limit 0); nothing to describe")
     print(ts.format_stats(stats))
     _write_json(args.json, stats)
     if args.plots:
@@ -629,11 +631,13 @@ def _add_emulate(sub: Subparsers) -> None:
         dest="prefetch_policy",
         help="tiered: SGLang's prefetch stop policy: timeout, best_effort, wait_complete",
     )
-    for name, kind in (("hbm-bytes", int), ("dram-bytes", int), ("ssd-bytes", int), ("scope-file-bytes", int),
-                       ("prefill-tokens-per-s", float), ("decode-tokens-per-s", float), ("layers", int),
-                       ("page-tokens", int), ("bytes-per-token-layer", int)):  # fmt: skip
+    sizes = ("hbm-bytes", "dram-bytes", "ssd-bytes", "scope-file-bytes")  # with units, as simulate's --dram
+    for name, kind in (*((n, _size_arg) for n in sizes), ("prefill-tokens-per-s", float),
+                       ("decode-tokens-per-s", float), ("layers", int), ("page-tokens", int),
+                       ("bytes-per-token-layer", int)):  # fmt: skip
         field = name.replace("-", "_")  # unset: EmulatorConfig's default, shown here
-        emulate.add_argument(f"--{name}", type=kind, dest=field, help=f"(default: {EMULATOR_DEFAULTS[field]})")
+        unit = "a size, e.g. 64GiB or a byte count " if name in sizes else ""
+        emulate.add_argument(f"--{name}", type=kind, dest=field, help=f"{unit}(default: {EMULATOR_DEFAULTS[field]})")
     emulate.add_argument(
         "--l3",
         choices=["log", "hicache-file", "hicache-mooncake"],
@@ -648,6 +652,18 @@ def _add_emulate(sub: Subparsers) -> None:
     emulate.add_argument("--placement", choices=PLACEMENT_MODES,
                          help="flatcake mode, in-process engine: Table 2 (table2, default) or adaptive")  # fmt: skip
     emulate.set_defaults(func=_emulate)
+
+
+def _size_arg(text: str) -> int:
+    """A size flag's bytes: ``64GiB``, ``512Mi``, ``4TB`` or a byte count (0 allowed: a tier turned off)."""
+    if text.strip() == "0":
+        return 0
+    from flatcake.loadgen.simulate.run import parse_size
+
+    try:
+        return parse_size(text, "size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("size: ")) from None
 
 
 def _add_agent(sub: Subparsers) -> None:

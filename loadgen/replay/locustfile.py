@@ -289,8 +289,14 @@ class TraceUser(HttpUser):
             with self.client.post(path(o.api), json=payload, stream=True, catch_response=True,
                                   name=f"{path(o.api)} TTFT", timeout=600) as resp:  # fmt: skip
                 if resp.status_code != 200:
-                    resp.failure(f"HTTP {resp.status_code}")
-                    rec.error = f"HTTP {resp.status_code}"
+                    # Locust gives status 0 where no answer came (refused, reset, timed out): say that.
+                    why = (
+                        f"HTTP {resp.status_code}"
+                        if resp.status_code
+                        else f"no answer: {resp.error or 'connection failed'}"
+                    )
+                    resp.failure(why)
+                    rec.error = why
                 else:
                     lines = _Counted(resp.iter_lines())
                     ttft, chunks, usage = read_stream(o.api, iter(lines), sent)

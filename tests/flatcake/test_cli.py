@@ -30,6 +30,15 @@ def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert "(default: results/e2e)" in help_of(["bench", "e2e"], capsys)
 
 
+def test_emulator_sizes_take_units_as_simulate_does(capsys: pytest.CaptureFixture[str]) -> None:
+    args = cli.build_parser().parse_args(["emulate", "--hbm-bytes", "1GiB", "--dram-bytes", "0", "--ssd-bytes", "4TB"])
+    assert (args.hbm_bytes, args.dram_bytes, args.ssd_bytes) == (1 << 30, 0, 4 * 10**12)
+    assert cli.build_parser().parse_args(["emulate", "--scope-file-bytes", "65536"]).scope_file_bytes == 65536
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["emulate", "--hbm-bytes", "lots"])
+    assert "--hbm-bytes: 'lots' is not a size; write e.g. 1TiB" in capsys.readouterr().err
+
+
 def test_the_emulators_help_defaults_are_its_configs() -> None:
     from flatcake.loadgen.emulator.config import EmulatorConfig
 

@@ -48,3 +48,22 @@ def test_locust_counts_each_request_once_and_its_final_csv_holds_them_all(tmp_pa
     assert (out / "locust.html").stat().st_size > 1000
     progress = [line for line in run.stderr.splitlines() if f"/{n} answered" in line]
     assert progress and f"{n}/{n} answered" in progress[-1]
+
+
+def test_a_refused_connection_is_recorded_as_no_answer_not_http_0(tmp_path: Path) -> None:
+    """Nothing listens at the target: every request's record says there was no answer and why (Locust
+    reports status 0 there, which read as 'HTTP 0')."""
+    from flatcake.net import free_port
+
+    trace = tmp_path / "trace.jsonl"
+    write_trace(str(trace), (TraceRequest(i * 10, 100, 4, (i,)) for i in range(3)))
+    exe = Path(sys.executable).parent / "flatcake"
+    results = tmp_path / "results.jsonl"
+    run = subprocess.run(
+        [str(exe), "loadgen", "run", "--host", f"http://127.0.0.1:{free_port()}", "--trace", str(trace),
+         "--qps", "30", "--results", str(results), "--max-output", "4"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(records) == 3 and not any(r["ok"] for r in records), run.stderr[-2000:]
+    assert all(r["error"].startswith("no answer: ") and "HTTP 0" not in r["error"] for r in records), records

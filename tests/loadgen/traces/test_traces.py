@@ -88,6 +88,14 @@ def test_trace_stats_names_the_field_of_a_bad_number(
     assert f"{path}:2: field {field}" in err and "Traceback" not in err, err
 
 
+def test_trace_stats_of_an_empty_trace_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Statistics of nothing are not a success: exit 2, saying why (was: a table of zeros and exit 0)."""
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    assert main(["trace", "stats", str(path), "--quiet"]) == ConfigError.exit_code
+    assert "no requests in it" in capsys.readouterr().err
+
+
 def test_generic_format_round_trips(tmp_path: Path) -> None:
     reqs = [TraceRequest(5.0, 300, 7, (1, 2, 3), "s1", 2, 128), TraceRequest(9.5, 1000, 1, (4, 5))]
     path = tmp_path / "t.jsonl"
