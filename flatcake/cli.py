@@ -651,7 +651,7 @@ def _add_emulate(sub: Subparsers) -> None:
     )
     emulate.add_argument("--placement", choices=PLACEMENT_MODES,
                          help="flatcake mode, in-process engine: Table 2 (table2, default) or adaptive")  # fmt: skip
-    emulate.set_defaults(func=_emulate)
+    emulate.set_defaults(func=_emulate, service=True)
 
 
 def _size_arg(text: str) -> int:
@@ -673,7 +673,7 @@ def _add_agent(sub: Subparsers) -> None:
     serve.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")
     serve.add_argument("--metrics-host", dest="metrics_host",
                        help="IP for /metrics, /healthz, /readyz (default: agent.metrics_host, 127.0.0.1)")  # fmt: skip
-    serve.set_defaults(func=_agent_serve)
+    serve.set_defaults(func=_agent_serve, service=True)
     prep = agent.add_parser("prepare", help="hugepages, RAID-0, XFS, mount and the file pool (plan, then apply)")
     prep.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")
     prep.add_argument("--dry-run", action="store_true", dest="dry_run", help="print the plan, change nothing")
@@ -733,7 +733,8 @@ def _add_operator(sub: Subparsers) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``flatcake`` command line: one function per command group below."""
     parser = argparse.ArgumentParser(prog="flatcake", description="Flat DRAM+SSD KV-cache storage for LLM serving")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log at INFO (agent serve, emulate: always); tracebacks of internal errors")  # fmt: skip
     parser.add_argument("--version", action="version", version=f"%(prog)s {flatcake.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_bench(sub)
@@ -803,8 +804,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     _with_defaults(parser)
     args = parser.parse_args(argv)
+    # A long-running service (the agent, the emulator) says what it serves at INFO; a one-shot command
+    # stays quiet unless asked (-v).
+    verbose = args.verbose or getattr(args, "service", False)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
         return int(args.func(args))

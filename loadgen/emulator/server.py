@@ -517,4 +517,4 @@ def serve(cfg: EmulatorConfig, host: str, port: int) -> None:
     except BaseException:
         sock.close()
         raise
-    web.run_app(make_app(cfg, emulator), sock=sock, print=lambda m: log.warning("%s", m))
+    web.run_app(make_app(cfg, emulator), sock=sock, print=lambda m: log.info("%s", m))

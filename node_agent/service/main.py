@@ -49,12 +49,12 @@ def run(config: EngineConfig) -> None:
     node = R.node_name() if config.cluster.node_ids_dir or config.cluster.cache else ""
     if config.cluster.node_ids_dir:
         config = dataclasses.replace(config, node_id=R.resolve_node_id(config, node))
-        log.warning("flatcake agent: node %s has NodeID %d", node, config.node_id)
+        log.info("flatcake agent: node %s has NodeID %d", node, config.node_id)
     agent = Agent(config)
     reporter = None
     try:
         port = agent.start_http()
-        log.warning("flatcake agent: socket %s, metrics http://%s:%d/metrics", config.agent.socket,
+        log.info("flatcake agent: socket %s, metrics http://%s:%d/metrics", config.agent.socket,
                     config.agent.metrics_host, port)  # fmt: skip
         if config.cluster.cache:
             from flatcake.kube import Kube

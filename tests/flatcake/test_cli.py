@@ -97,3 +97,11 @@ def test_an_internal_error_is_one_line_unless_verbose(
     assert err == "flatcake: error: KeyError: 'slot' (internal error; run with -v for the traceback)"
     with pytest.raises(KeyError):
         cli.main(["-v", "trace", "stats", "x.jsonl"])
+
+
+def test_services_say_what_they_serve_at_info_and_one_shot_commands_stay_quiet() -> None:
+    parse = cli.build_parser().parse_args
+    assert parse(["agent", "serve", "--config", "engine.json"]).service is True
+    assert parse(["emulate"]).service is True
+    assert not getattr(parse(["trace", "stats", "t.jsonl"]), "service", False)
+    assert not getattr(parse(["bench", "e2e"]), "service", False)
