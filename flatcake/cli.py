@@ -300,7 +300,8 @@ def _loadgen_bench(args: argparse.Namespace) -> int:
     from flatcake.loadgen.bench.staging import StagingBench, bench
 
     cfg = StagingBench(
-        role=args.role, target=args.target, trace=args.trace, results=args.results, qps=tuple(args.qps),
+        role=args.role, target=args.target, trace=args.trace, results=args.results,
+        qps=tuple(q for rates in args.qps for q in rates),
         system=args.system, workers=args.workers, master_host=args.master_host, master_port=args.master_port,
         limit=args.limit, api=args.api, max_output=args.max_output, users=args.users, page_tokens=args.page_tokens,
         context=args.context, hold_s=args.hold, metrics_port=args.metrics_port,
@@ -574,10 +575,17 @@ def _add_loadgen(sub: Subparsers) -> None:
         "bench", help="a staging-cluster run: Locust master or worker over every QPS point, then the report"
     )
     lb.add_argument("--role", choices=["master", "worker"], required=True)
-    lb.add_argument("--target", required=True, help="inference endpoint base URL (OpenAI-compatible or SGLang)")
+    lb.add_argument(
+        "--host",
+        "--target",
+        required=True,
+        dest="target",
+        help="inference endpoint base URL (OpenAI-compatible or SGLang); --target is its old name",
+    )
     lb.add_argument("--trace", required=True)
     lb.add_argument("--results", required=True, help="directory for records, Locust CSVs and the report")
-    lb.add_argument("--qps", type=float, nargs="+", required=True, help="rates, run in this order")
+    lb.add_argument("--qps", type=_csv(float, "--qps"), nargs="+", required=True,
+                    help="rates, run in this order: comma-separated as elsewhere (1,2,4), or one per word")  # fmt: skip
     lb.add_argument("--system", required=True, help="name of the system under test, for the report")
     lb.add_argument("--workers", type=int, default=2, help="Locust workers sharing the trace")
     lb.add_argument("--master-host", default="127.0.0.1", dest="master_host")

@@ -61,7 +61,7 @@ class StagingBench:
 
 
 def bench(cfg: StagingBench, log: Callable[[str], None] = print) -> int:
-    check_url(cfg.target, "--target")  # before the trace is read or anything is written
+    check_url(cfg.target, "--host")  # before the trace is read or anything is written
     results = Path(cfg.results)
     if cfg.role == "master":
         results.mkdir(parents=True, exist_ok=True)

@@ -109,7 +109,7 @@ def test_results_go_to_the_pvc_or_are_held_for_kubectl_cp() -> None:
     assert "--hold" not in kept["containers"][0]["args"]
     assert kept["volumes"][-1]["persistentVolumeClaim"]["claimName"] == "results"
     args = kept["containers"][0]["args"]
-    assert args[args.index("--target") + 1] == "http://vllm.inference:8000"
+    assert args[args.index("--host") + 1] == "http://vllm.inference:8000"
     assert args[args.index("--trace") + 1] == "/trace/mooncake/conversation.jsonl"
 
 
@@ -196,7 +196,7 @@ def test_master_and_two_workers_run_the_charts_command_lines(tmp_path: Path) -> 
         stderr=subprocess.DEVNULL,
     )
     local = {
-        "--target": f"http://127.0.0.1:{emulator_port}",
+        "--host": f"http://127.0.0.1:{emulator_port}",
         "--trace": str(TRACE),
         "--master-port": str(master_port),
         "--master-host": "127.0.0.1",

@@ -105,3 +105,14 @@ def test_services_say_what_they_serve_at_info_and_one_shot_commands_stay_quiet()
     assert parse(["emulate"]).service is True
     assert not getattr(parse(["trace", "stats", "t.jsonl"]), "service", False)
     assert not getattr(parse(["bench", "e2e"]), "service", False)
+
+
+def test_one_spelling_per_flag_the_old_ones_still_read() -> None:
+    """loadgen bench names its endpoint --host as loadgen run does (--target still read), and takes
+    --qps comma-separated as every other command does (one rate per word still read)."""
+    parse = cli.build_parser().parse_args
+    base = ["loadgen", "bench", "--role", "master", "--trace", "t", "--results", "r", "--system", "s"]
+    new = parse([*base, "--host", "http://127.0.0.1:8000", "--qps", "1,2", "4"])
+    old = parse([*base, "--target", "http://127.0.0.1:8000", "--qps", "1", "2", "4"])
+    assert new.target == old.target == "http://127.0.0.1:8000"
+    assert [q for rates in new.qps for q in rates] == [q for rates in old.qps for q in rates] == [1.0, 2.0, 4.0]

@@ -74,7 +74,7 @@ def test_loadgen_bench_checks_its_target_first(tmp_path: Path) -> None:
     run = flatcake_cli("loadgen", "bench", "--role", "master", "--target", "a:b:c", "--trace", "missing.jsonl",
                        "--results", str(out), "--qps", "1", "--system", "x")  # fmt: skip
     assert run.returncode == 2 and run.stderr.splitlines() == [
-        "flatcake: error: --target: 'a:b:c' is not a base URL; expected http://HOST:PORT, e.g. http://127.0.0.1:8000"
+        "flatcake: error: --host: 'a:b:c' is not a base URL; expected http://HOST:PORT, e.g. http://127.0.0.1:8000"
     ]
     assert not out.exists()
 

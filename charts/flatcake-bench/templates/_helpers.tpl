@@ -88,7 +88,7 @@ http://{{ include "bench.fullname" . }}-emulator:{{ .Values.emulator.port }}
 
 {{/* The flatcake loadgen bench arguments both roles share (see loadgen/staging.py). */}}
 {{- define "bench.commonArgs" -}}
-- --target
+- --host
 - {{ include "bench.target" . }}
 - --trace
 - {{ include "bench.tracePath" . }}
