@@ -695,8 +695,10 @@ def _geometry(args: argparse.Namespace) -> int:
     from flatcake.node_agent import geometry
 
     g = geometry.load(args.config, tp=args.tp, page_tokens=args.page_tokens, kv_dtype=args.kv_dtype)
+    # The serving engine must hold pages of this geometry: the flags it is started with.
+    flags = f"--tp-size {args.tp} --page-size {g.page_tokens} --kv-cache-dtype {args.kv_dtype}"
     if args.json:
-        print(json.dumps(g.to_dict(), indent=1))
+        print(json.dumps({**g.to_dict(), "sglang_flags": flags}, indent=1))
         return 0
     share = (
         "every rank holds the same KV"
@@ -708,6 +710,9 @@ def _geometry(args: argparse.Namespace) -> int:
           f"{g.page_bytes} B aligned")  # fmt: skip
     kv = g.kv()
     print(f"spec:\n  kv: {{layers: {kv['layers']}, pageBytes: {kv['pageBytes']}, pageTokens: {kv['pageTokens']}}}")
+    print(f"  # or name the model: kv: {{model: {{config: <config.json>, tensorParallel: {args.tp}, "
+          f"kvCacheDtype: {args.kv_dtype}}}, pageTokens: {g.page_tokens}}}")  # fmt: skip
+    print(f"sglang: {flags}")
     return 0
 
 

@@ -81,9 +81,12 @@ def test_multimodal_configs_use_the_language_models_text_config() -> None:
 
 def test_the_command_prints_the_caches_kv(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["geometry", str(CONFIGS / "qwen2.5-7b-instruct.json")]) == 0
-    assert "kv: {layers: 28, pageBytes: 131072, pageTokens: 64}" in capsys.readouterr().out
-    assert main(["geometry", str(CONFIGS / "deepseek-v3.json"), "--tp", "8", "--json"]) == 0
+    text = capsys.readouterr().out
+    assert "kv: {layers: 28, pageBytes: 131072, pageTokens: 64}" in text
+    assert "sglang: --tp-size 1 --page-size 64 --kv-cache-dtype auto" in text  # what the engine must be started with
+    assert main(["geometry", str(CONFIGS / "deepseek-v3.json"), "--tp", "8", "--json", "--page-tokens", "32"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["kv"] == {"layers": 61, "pageBytes": 73728, "pageTokens": 64} and out["replicated"] is True
+    assert out["kv"] == {"layers": 61, "pageBytes": 36864, "pageTokens": 32} and out["replicated"] is True
+    assert out["sglang_flags"] == "--tp-size 8 --page-size 32 --kv-cache-dtype auto"
     assert main(["geometry", str(CONFIGS / "qwen2.5-7b-instruct.json"), "--tp", "3"]) != 0  # a clear error, no trace
     assert "cannot share 4 KV heads" in capsys.readouterr().err
