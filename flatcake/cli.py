@@ -640,9 +640,10 @@ def _add_emulate(sub: Subparsers) -> None:
         help="tiered: SGLang's prefetch stop policy: timeout, best_effort, wait_complete",
     )
     sizes = ("hbm-bytes", "dram-bytes", "ssd-bytes", "scope-file-bytes")  # with units, as simulate's --dram
-    for name, kind in (*((n, _size_arg) for n in sizes), ("prefill-tokens-per-s", float),
-                       ("decode-tokens-per-s", float), ("layers", int), ("page-tokens", int),
-                       ("bytes-per-token-layer", int)):  # fmt: skip
+    numbers: list[tuple[str, Callable[[str], object]]] = [(n, _size_arg) for n in sizes]
+    numbers += [("prefill-tokens-per-s", float), ("decode-tokens-per-s", float), ("layers", int),
+                ("page-tokens", int), ("bytes-per-token-layer", int)]  # fmt: skip
+    for name, kind in numbers:
         field = name.replace("-", "_")  # unset: EmulatorConfig's default, shown here
         unit = "a size, e.g. 64GiB or a byte count " if name in sizes else ""
         emulate.add_argument(f"--{name}", type=kind, dest=field, help=f"{unit}(default: {EMULATOR_DEFAULTS[field]})")
