@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 
 from flatcake import kube as K
-from flatcake.operator import changes, nodeids, render, scheduling
+from flatcake.operator import changes, inject, nodeids, render, scheduling
 from flatcake.operator.spec import GROUP, VERSION, CacheSpec, SpecError, check_node_count, check_node_fit, parse_spec
 from flatcake.operator.status import NodeReport, aggregate
 
@@ -47,6 +47,17 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo.kube = K.Kube.from_environment(USER_AGENT)
     if getattr(memo, "agent_cluster_role", None) is None:
         memo.agent_cluster_role = os.environ.get("FLATCAKE_AGENT_CLUSTER_ROLE", "flatcake-agent")
+    # The pod-wiring webhook (inject_pod): served where the chart gives a certificate; its
+    # MutatingWebhookConfiguration is the chart's (it holds the CA), not managed by kopf.
+    port = os.environ.get("FLATCAKE_WEBHOOK_PORT")
+    if getattr(settings.admission, "server", None) is None:
+        if port:
+            settings.admission.server = kopf.WebhookServer(
+                addr="0.0.0.0", port=int(port), certfile=os.environ.get("FLATCAKE_WEBHOOK_CERT"),
+                pkeyfile=os.environ.get("FLATCAKE_WEBHOOK_KEY"), insecure=not os.environ.get("FLATCAKE_WEBHOOK_CERT"),
+            )  # fmt: skip
+        else:  # webhook off: kopf stops when a handler has no server, so it gets one nothing routes to
+            settings.admission.server = kopf.WebhookServer(addr="127.0.0.1", port=None, insecure=True)
 
 
 def _selected_nodes(kube: K.Kube, spec: CacheSpec) -> tuple[list[dict[str, Any]], dict[str, str]]:
@@ -239,6 +250,33 @@ def cache_deleted(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> No
     for report in _reports(kube, cache.namespace, cache.name):
         kube.delete(K.FLATCAKE_NODES, cache.namespace, report["metadata"]["name"])
     logger.info("reclaimPolicy Delete: pools erased on %d nodes", desired)
+
+
+@kopf.on.mutate("pods", id="inject", labels={inject.CACHE_LABEL: kopf.PRESENT}, operations=["CREATE"])
+def inject_pod(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    """Wire an inference pod to the FlatCakeCache its label names (operator/inject.py), or refuse it
+    when that cache is absent or Degraded."""
+    pod = dict(body)
+    if (pod.get("metadata", {}).get("annotations") or {}).get(inject.INJECTED_ANNOTATION):
+        return
+    namespace, name = inject.cache_of(pod, default_namespace=str(body.get("metadata", {}).get("namespace", "")))
+    kube: K.Kube = memo.kube
+    cache = kube.get(K.CACHES, namespace, name) if name else None
+    why = inject.refusal(namespace, name, cache)
+    if why is None and cache is not None:
+        ident = render.Cache(name, namespace, cache["metadata"].get("uid", ""))
+        try:
+            wiring = render.pod_wiring(parse_spec(dict(cache.get("spec", {}))), ident)
+        except SpecError as exc:
+            why = f"FlatCakeCache {namespace}/{name}: {exc}; fix it before starting pods that use it"
+    if why is not None:
+        raise kopf.AdmissionError(why, code=403)
+    spec = inject.mutate(pod, wiring)
+    for key, value in spec.items():
+        if value != pod.get("spec", {}).get(key):
+            patch.spec[key] = value
+    patch.metadata.annotations[inject.INJECTED_ANNOTATION] = f"{namespace}.{name}"
+    logger.info("wired to FlatCakeCache %s/%s", namespace, name)
 
 
 def run(namespaces: list[str], liveness: str | None = None) -> None:

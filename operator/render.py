@@ -161,6 +161,8 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
             "journal_fsync": "interval",
             "journal_fsync_ms": 100,
             "verify_on_recovery": True,
+            # Files mode 0660 in this group: inference pods given it (the webhook adds it) may use them.
+            **({} if spec.access_gid is None else {"group": str(spec.access_gid)}),
         },
         "prepare": {
             "hugepage_size": spec.hugepage_size,
@@ -247,6 +249,26 @@ def node_ids_map(cache: Cache, ids: dict[str, int]) -> dict[str, Any]:
     del meta["ownerReferences"]
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
             "data": {node: str(i) for node, i in sorted(ids.items())}}  # fmt: skip
+
+
+BACKEND = {"backend_name": "flatcake", "module_path": "flatcake.node_agent.sglang", "class_name": "FlatCakeStorage",
+           "interface_v1": True, "hicache_storage_pass_prefix_keys": True}  # fmt: skip
+
+
+def pod_wiring(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
+    """What an inference pod using this cache needs (operator/inject.py adds it): the same host paths
+    and socket as the agents', SGLang's backend extra config, the ready label, the files' group."""
+    config = engine_config(spec, cache)
+    socket = config["agent"]["socket"]
+    return {
+        "run_dir": f"{RUN_ROOT}/{cache.instance}",
+        "pool_root": pool_root(spec, cache),
+        "hugetlbfs_dir": HUGETLBFS_MOUNTS.get(spec.hugepage_size),
+        "socket": socket,
+        "extra_config": {**BACKEND, "socket": socket},
+        "ready_label": ready_label(cache),
+        "gid": spec.access_gid,
+    }
 
 
 def _host_volumes(spec: CacheSpec, cache: Cache) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -181,6 +181,7 @@ class CacheSpec:
     reclaim_policy: str
     wipe_policy: str
     pod: PodOptions = dataclasses.field(default_factory=lambda: PodOptions())
+    access_gid: int | None = None  # the group given the agent's files; injected pods get it as a supplemental group
 
     @property
     def pool_bytes(self) -> int:
@@ -232,6 +233,7 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
         raise SpecError(*problem)
     page_tokens = r.get("kv.pageTokens", int)
     layers, page_bytes = _kv_geometry(r, page_tokens)
+    gid = r.get("access.gid", int, None)
     parsed = CacheSpec(
         image=r.get("image", str),
         image_pull_policy=r.get("imagePullPolicy", str, "IfNotPresent"),
@@ -268,6 +270,7 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
         reclaim_policy=r.get("reclaimPolicy", str, "Retain"),
         wipe_policy=r.get("wipePolicy", str, "Refuse"),
         pod=pod,
+        access_gid=gid,
     )
     # Watermarks, file and staging slot sizes are the engine configuration's own rules: the rendered
     # configuration is checked by EngineConfig (render.check_engine_config), not again here.

@@ -155,3 +155,33 @@ def test_name_overrides_and_operator_pod_options_render() -> None:
     assert next(d for d in named if d["kind"] == "Deployment")["metadata"]["name"] == "fc-cake-operator"
     defaults = next(d for d in render() if d["kind"] == "Deployment")["spec"]["template"]
     assert "priorityClassName" not in defaults["spec"] and "annotations" not in defaults["metadata"]
+
+
+def test_the_webhook_reaches_the_operators_handler_over_tls_it_trusts() -> None:
+    """The pod-wiring webhook: the API server calls <release>-webhook on /inject (the handler's id) and
+    trusts the CA in the configuration; the Service reaches the operator's port, whose certificate names
+    the Service's host; only labelled pods are sent. Off, none of it is rendered."""
+    import base64
+    import subprocess
+
+    docs = render("--set", "fullnameOverride=kv")
+    by_kind = {d["kind"]: d for d in docs if d["kind"] in ("MutatingWebhookConfiguration", "Service", "Secret")}
+    hook = by_kind["MutatingWebhookConfiguration"]["webhooks"][0]
+    service = hook["clientConfig"]["service"]
+    assert service["path"] == "/inject" and service["name"] == "kv-webhook"
+    assert hook["objectSelector"]["matchExpressions"] == [{"key": "flatcake.io/cache", "operator": "Exists"}]
+    assert hook["rules"][0]["resources"] == ["pods"] and hook["rules"][0]["operations"] == ["CREATE"]
+    secret = by_kind["Secret"]["data"]
+    assert hook["clientConfig"]["caBundle"] == secret["ca.crt"]
+    shown = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName"], input=base64.b64decode(
+        secret["tls.crt"]), capture_output=True, check=True).stdout.decode()  # fmt: skip
+    assert f"DNS:kv-webhook.{by_kind['Service']['metadata']['namespace']}.svc" in shown, shown
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["FLATCAKE_WEBHOOK_PORT"] == "9443" and env["FLATCAKE_WEBHOOK_CERT"] == "/webhook/tls.crt"
+    assert {"name": "webhook", "containerPort": 9443} in container["ports"]
+    off = render("--set", "webhook.enabled=false")
+    assert not [d for d in off if d["kind"] == "MutatingWebhookConfiguration"]
+    op = next(d for d in off if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "FLATCAKE_WEBHOOK_PORT" not in {e["name"] for e in op["env"]}

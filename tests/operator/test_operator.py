@@ -140,9 +140,11 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(api: kmock.KubernetesEmulator) -> AsyncIterator[None]:
+async def running_operator(api: kmock.KubernetesEmulator, webhook_port: int | None = None) -> AsyncIterator[None]:
     _server["url"] = str(api.url).rstrip("/")
     settings = kopf.OperatorSettings()
+    if webhook_port is not None:  # plain HTTP here; the chart gives the operator a certificate
+        settings.admission.server = kopf.WebhookServer(addr="127.0.0.1", port=webhook_port, insecure=True)
     settings.scanning.disabled = True  # kmock answers namespace scans with 500
     settings.posting.level = 30  # events at WARNING and above only
     memo = kopf.Memo(kube=K.Kube.for_url(_server["url"], handlers.USER_AGENT), agent_cluster_role="flatcake-agent")
@@ -202,11 +204,12 @@ def check_rbac(requests: list[Any]) -> None:
 async def test_create_renders_agents_and_reports_ready(cluster: Cluster) -> None:
     async with running_operator(cluster.api):
         await cluster.create(K.CACHES, cache_body())
-        ds = await cluster.wait(lambda: cluster.get(K.DAEMON_SETS, f"{CACHE}-agent"), "the agent DaemonSet")
+        # The ServiceMonitor is applied last: once it exists, so does the rest.
+        sm = await cluster.wait(lambda: cluster.get(K.SERVICE_MONITORS, CACHE), "the ServiceMonitor")
+        ds = await cluster.get(K.DAEMON_SETS, f"{CACHE}-agent")
         cm = await cluster.get(K.CONFIG_MAPS, f"{CACHE}-config")
         svc = await cluster.get(K.SERVICES, f"{CACHE}-metrics")
-        sm = await cluster.get(K.SERVICE_MONITORS, CACHE)
-        assert cm and svc and sm
+        assert ds and cm and svc and sm
         config = EngineConfig.from_dict(json.loads(cm["data"]["engine.json"]))  # the agent's own parser
         assert config.prepare.devices == ("/dev/nvme0n1", "/dev/nvme1n1")
         assert config.ssd.file_count == 8 and config.ssd.file_bytes == 1 << 30
@@ -279,6 +282,60 @@ async def test_a_tainted_node_gets_no_node_id_until_tolerated_and_the_status_say
         await cluster.wait(three_ids, "a NodeID for the tolerated node")
         ds = await cluster.get(K.DAEMON_SETS, f"{CACHE}-agent")
         assert ds["spec"]["template"]["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+
+
+async def test_the_webhook_wires_a_labelled_pod_and_refuses_one_naming_no_ready_cache(cluster: Cluster) -> None:
+    """What the API server would send: an AdmissionReview for a pod CREATE. A pod labelled with the cache
+    gets the JSON patch that wires it; one naming no cache, or a Degraded one, is refused saying why."""
+    import base64
+
+    import jsonpatch
+
+    from flatcake.net import free_port
+    from flatcake.operator import inject
+
+    port = free_port()
+
+    async def review(pod: dict[str, Any]) -> dict[str, Any]:
+        request = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                   "request": {"uid": "u-1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                               "resource": {"group": "", "version": "v1", "resource": "pods"},
+                               "operation": "CREATE", "namespace": NS, "userInfo": {"username": "test"},
+                               "object": pod}}  # fmt: skip
+        async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/inject", json=request) as r:
+            assert r.status == 200, await r.text()
+            answer: dict[str, Any] = (await r.json())["response"]
+            return answer
+
+    def pod(labels: dict[str, str]) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sglang", "namespace": NS, "labels": labels},
+                "spec": {"containers": [{"name": "sglang", "image": "sglang"}]}}  # fmt: skip
+
+    async with running_operator(cluster.api, webhook_port=port):
+        await cluster.create(K.CACHES, cache_body())
+        await cluster.wait(cluster.cache_status, "a status")
+
+        async def answering() -> dict[str, Any] | None:
+            try:
+                return await review(pod({inject.CACHE_LABEL: CACHE}))
+            except aiohttp.ClientConnectionError:
+                return None  # the webhook server is still starting
+
+        wired = await cluster.wait(answering, "the webhook's answer")
+        assert wired["allowed"] is True and wired["patchType"] == "JSONPatch"
+        mutated = jsonpatch.apply_patch(pod({inject.CACHE_LABEL: CACHE}), json.loads(base64.b64decode(wired["patch"])))
+        env = {e["name"]: e["value"] for e in mutated["spec"]["containers"][0]["env"]}
+        assert json.loads(env["FLATCAKE_HICACHE_EXTRA_CONFIG"])["socket"] == env["FLATCAKE_SOCKET"]
+        assert env["FLATCAKE_SOCKET"] == f"/run/flatcake/{NS}.{CACHE}/agent.sock"
+        assert mutated["metadata"]["annotations"][inject.INJECTED_ANNOTATION] == f"{NS}.{CACHE}"
+        untouched = await review(pod({"app": "other"}))
+        assert untouched["allowed"] is True and not untouched.get("patch")  # no label: not the webhook's
+        absent = await review(pod({inject.CACHE_LABEL: "nope"}))
+        assert absent["allowed"] is False and "no FlatCakeCache 'nope'" in absent["status"]["message"]
+        await cluster.patch(K.CACHES, CACHE, {"spec": {"dram": {"size": "1Ti"}}})  # more than a node has
+        await _degraded_with(cluster, "spec.dram.size")
+        degraded = await review(pod({inject.CACHE_LABEL: CACHE}))
+        assert degraded["allowed"] is False and "is Degraded" in degraded["status"]["message"]
 
 
 async def _deployed(cluster: Cluster) -> tuple[dict[str, Any], EngineConfig]:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from flatcake.errors import ConfigError
 from flatcake.node_agent import geometry
 from flatcake.node_agent.config import EngineConfig
-from flatcake.operator import changes, nodeids, render, scheduling
+from flatcake.operator import changes, inject, nodeids, render, scheduling
 from flatcake.operator.spec import (
     AGENT_MEMORY_BYTES,
     SpecError,
@@ -587,3 +587,71 @@ def test_the_crds_kv_cache_dtypes_are_the_geometrys() -> None:
     kv = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["kv"]
     assert kv["properties"]["model"]["properties"]["kvCacheDtype"]["enum"] == list(geometry.KV_DTYPES)
     assert "default" not in kv["properties"]["layers"] and "default" not in kv["properties"]["pageBytes"]
+
+
+def _inference_pod() -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "sglang-0", "namespace": "serving", "labels": {inject.CACHE_LABEL: "main"},
+                         "annotations": {inject.NAMESPACE_ANNOTATION: "kv"}},
+            "spec": {"containers": [{"name": "sglang", "image": "lmsysorg/sglang:v0.5.3",
+                                     "args": ["--hicache-storage-backend-extra-config",
+                                              "$(FLATCAKE_HICACHE_EXTRA_CONFIG)"],
+                                     "env": [{"name": "HF_HOME", "value": "/models"}],
+                                     "volumeMounts": [{"name": "models", "mountPath": "/models"}]},
+                                    {"name": "sidecar", "image": "busybox"}],
+                     "volumes": [{"name": "models", "emptyDir": {}}],
+                     "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                         "nodeSelectorTerms": [{"matchExpressions": [
+                             {"key": "gpu", "operator": "In", "values": ["h200"]}]}]}}}}}  # fmt: skip
+
+
+@pytest.mark.unit
+def test_an_inference_pod_is_wired_to_its_cache_and_keeps_what_it_had() -> None:
+    import kubernetes_validate
+
+    from tests.support.helm import KUBERNETES
+
+    parsed = parse_spec(spec(access={"gid": 2000}))
+    wiring = render.pod_wiring(parsed, CACHE)
+    pod = _inference_pod()
+    assert inject.cache_of(pod, "serving") == ("kv", "main")
+    mutated = inject.mutate(pod, wiring)
+    assert pod == _inference_pod()  # a copy: the request's object is untouched
+    sglang, sidecar = mutated["containers"]
+    config = render.engine_config(parsed, CACHE)
+    assert config["agent"]["group"] == "2000" and mutated["securityContext"]["supplementalGroups"] == [2000]
+    env = {e["name"]: e["value"] for e in sglang["env"]}
+    assert env["HF_HOME"] == "/models" and env["FLATCAKE_SOCKET"] == config["agent"]["socket"]
+    extra = json.loads(env["FLATCAKE_HICACHE_EXTRA_CONFIG"])
+    assert extra["socket"] == config["agent"]["socket"] and extra["class_name"] == "FlatCakeStorage"
+    assert extra["hicache_storage_pass_prefix_keys"] is True  # SGLang passes prefix keys only for a JSON true
+    # The backend's paths, at the agent's own paths: the socket's and DRAM pool's folder, the pool files.
+    paths = {m["mountPath"] for m in sglang["volumeMounts"]}
+    assert {"/models", os.path.dirname(config["agent"]["socket"]), render.pool_root(parsed, CACHE)} <= paths
+    assert config["ssd"]["dir"].startswith(render.pool_root(parsed, CACHE))
+    assert "/dev/hugepages" in paths  # the default DRAM pool is in 2 MiB hugepages
+    assert {m["mountPath"] for m in sidecar["volumeMounts"]} == paths - {"/models"}
+    # ANDed into the pod's own required term: an h200 node whose agent is ready.
+    (term,) = mutated["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    keys = [e["key"] for e in term["matchExpressions"]]
+    assert keys == ["gpu", render.ready_label(CACHE)]
+    assert inject.mutate({**pod, "spec": mutated}, wiring) == mutated  # wiring twice adds nothing
+    kubernetes_validate.validate({**pod, "spec": mutated}, KUBERNETES, strict=True)
+    bare = inject.mutate({"spec": {"containers": [{"name": "c", "image": "i"}]}}, render.pod_wiring(parse_spec(
+        spec(dram={"hugepageSize": "none", "size": "1Gi"})), CACHE))  # fmt: skip
+    assert "securityContext" not in bare and "/dev/hugepages" not in {
+        m["mountPath"] for m in bare["containers"][0]["volumeMounts"]
+    }
+    assert bare["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
+        {"matchExpressions": [{"key": render.ready_label(CACHE), "operator": "In", "values": ["true"]}]}
+    ]
+
+
+@pytest.mark.unit
+def test_a_pod_naming_an_absent_or_degraded_cache_is_refused_naming_the_fix() -> None:
+    absent = inject.refusal("kv", "main", None)
+    assert absent is not None and "no FlatCakeCache 'main' in namespace 'kv'" in absent and "annotation" in absent
+    degraded = inject.refusal("kv", "main", {"status": {"phase": "Degraded", "problem": "spec.kv.layers: ..."}})
+    assert degraded is not None and "Degraded (spec.kv.layers: ...)" in degraded
+    assert inject.refusal("kv", "main", {"status": {"phase": "Progressing"}}) is None  # the affinity waits for it
+    assert inject.refusal("kv", "", None) is not None

@@ -122,6 +122,7 @@ def declare_resources(api: kmock.KubernetesEmulator, *, service_monitors: bool) 
     info = kmock.ResourceInfo
     api.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs=verbs)
     api.resources["v1/nodes"] = info(kind="Node", namespaced=False, verbs=verbs)
+    api.resources["v1/pods"] = info(kind="Pod", namespaced=True, verbs=verbs)  # the pod-wiring webhook's
     api.resources["v1/configmaps"] = info(kind="ConfigMap", namespaced=True, verbs=verbs)
     api.resources["v1/services"] = info(kind="Service", namespaced=True, verbs=verbs)
     api.resources["v1/serviceaccounts"] = info(kind="ServiceAccount", namespaced=True, verbs=verbs)

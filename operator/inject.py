@@ -1,0 +1,100 @@
+"""What the admission webhook adds to an inference pod that names a FlatCakeCache (pure).
+
+A pod labelled ``flatcake.io/cache: NAME`` (the cache in the pod's namespace, or in the one its
+``flatcake.io/cache-namespace`` annotation names) gets what its SGLang backend needs to reach the
+node agent, which users otherwise wired by hand:
+
+- the host paths the backend uses, at the same paths: the agent's run directory (its socket and the
+  shared DRAM pool file), the pool directory (the backend reads the pool files itself), and the
+  hugetlbfs mount when the DRAM pool is in hugepages;
+- ``FLATCAKE_SOCKET`` and ``FLATCAKE_HICACHE_EXTRA_CONFIG`` (the JSON SGLang's
+  ``--hicache-storage-backend-extra-config`` takes; Kubernetes expands ``$(FLATCAKE_HICACHE_EXTRA_CONFIG)``
+  in a container's args) in every container;
+- a required node-affinity term on the operator's ready label, so the pod runs only where the cache's
+  agent is ready (ANDed into every existing required term);
+- ``supplementalGroups`` with ``spec.access.gid``, where the cache gives its files a group.
+
+Nothing already there is changed: a volume, mount or variable of the same name is left as the pod
+has it (the pod's own wiring wins), and a pod already injected is returned as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from typing import Any
+
+CACHE_LABEL = "flatcake.io/cache"
+NAMESPACE_ANNOTATION = "flatcake.io/cache-namespace"
+INJECTED_ANNOTATION = "flatcake.io/injected"
+PREFIX = "flatcake-"  # the names of what is added
+
+
+def cache_of(pod: Mapping[str, Any], default_namespace: str) -> tuple[str, str]:
+    """(namespace, name) of the cache a pod names."""
+    meta = pod.get("metadata") or {}
+    name = str((meta.get("labels") or {}).get(CACHE_LABEL, ""))
+    namespace = str((meta.get("annotations") or {}).get(NAMESPACE_ANNOTATION) or meta.get("namespace") or "")
+    return namespace or default_namespace, name
+
+
+def refusal(namespace: str, name: str, cache: Mapping[str, Any] | None) -> str | None:
+    """Why a pod naming this cache is refused, naming the fix; None when it may run."""
+    if not name:
+        return f"label {CACHE_LABEL}: empty; name the FlatCakeCache the pod's SGLang backend uses"
+    if cache is None:
+        return (f"label {CACHE_LABEL}: no FlatCakeCache {name!r} in namespace {namespace!r}; create it, or set the "
+                f"{NAMESPACE_ANNOTATION} annotation to the namespace it is in")  # fmt: skip
+    status = cache.get("status") or {}
+    if status.get("phase") == "Degraded":
+        why = status.get("problem") or "an agent reports errors (kubectl describe flatcakecache)"
+        return f"FlatCakeCache {namespace}/{name} is Degraded ({why}); fix it before starting pods that use it"
+    return None
+
+
+def mutate(pod: Mapping[str, Any], wiring: Mapping[str, Any]) -> dict[str, Any]:
+    """The pod's ``spec`` with the cache's wiring added (a copy; the pod is not changed).
+
+    ``wiring``: ``run_dir``, ``pool_root``, ``hugetlbfs_dir`` (or None), ``socket``, ``extra_config``
+    (the backend's extra config, a mapping), ``ready_label`` and ``gid`` (or None), from the cache's
+    rendered configuration (operator/render.py ``pod_wiring``)."""
+    spec = copy.deepcopy(dict(pod.get("spec") or {}))
+    paths = {"run": wiring["run_dir"], "pool": wiring["pool_root"]}
+    if wiring.get("hugetlbfs_dir"):
+        paths["hugepages"] = wiring["hugetlbfs_dir"]
+    volumes = spec.setdefault("volumes", [])
+    have = {v.get("name") for v in volumes}
+    for short, path in paths.items():
+        if PREFIX + short not in have:
+            volumes.append({"name": PREFIX + short, "hostPath": {"path": path, "type": "Directory"}})
+    env = {"FLATCAKE_SOCKET": wiring["socket"],
+           "FLATCAKE_HICACHE_EXTRA_CONFIG": json.dumps(dict(wiring["extra_config"]), sort_keys=True)}  # fmt: skip
+    for container in spec.get("containers") or []:
+        mounts = container.setdefault("volumeMounts", [])
+        mounted = {m.get("mountPath") for m in mounts} | {m.get("name") for m in mounts}
+        for short, path in paths.items():
+            if path not in mounted and PREFIX + short not in mounted:
+                mounts.append({"name": PREFIX + short, "mountPath": path})
+        variables = container.setdefault("env", [])
+        named = {e.get("name") for e in variables}
+        variables.extend({"name": k, "value": v} for k, v in env.items() if k not in named)
+    _require_ready_node(spec, wiring["ready_label"])
+    if wiring.get("gid") is not None:
+        groups = spec.setdefault("securityContext", {}).setdefault("supplementalGroups", [])
+        if wiring["gid"] not in groups:
+            groups.append(wiring["gid"])
+    return spec
+
+
+def _require_ready_node(spec: dict[str, Any], label: str) -> None:
+    want = {"key": label, "operator": "In", "values": ["true"]}
+    node_affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({})
+    for term in terms:  # terms are ORed: each must require the ready label
+        exprs = term.setdefault("matchExpressions", [])
+        if want not in exprs:
+            exprs.append(want)
