@@ -48,10 +48,6 @@ COMBINATIONS = {
         "--set",
         "sglang.image=registry.local/sglang-flatcake:1",
         "--set",
-        "sglang.flatcake.directory=/mnt/nvme",
-        "--set",
-        "sglang.flatcake.hugepageSize=none",
-        "--set",
         "sglang.flatcake.namespace=kv",
     ],
     "external-pvc": [
@@ -115,18 +111,36 @@ def test_results_go_to_the_pvc_or_are_held_for_kubectl_cp() -> None:
 
 @pytest.mark.parametrize("name", ["sglang-devices", "sglang-directory"])
 def test_sglang_example_matches_sglangs_parser_and_the_agents_paths(name: str) -> None:
-    """The command line goes through SGLang's own argument parser (sglang 0.5.23 is importable here),
-    and the mounted host paths are the ones the operator gives the node agents of that cache."""
+    """The pod names its cache by label; wired as the operator's webhook wires it (operator/inject.py),
+    its command line goes through SGLang's own argument parser (sglang 0.5.23 is importable here), with
+    $(FLATCAKE_HICACHE_EXTRA_CONFIG) expanded as the kubelet does, and it mounts the host paths the
+    operator gives the node agents of that cache."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
     from sglang.srt.server_args import ServerArgs
 
+    from flatcake.operator import inject
+
     docs = render(*COMBINATIONS[name])
-    pod = find(docs, "Deployment", "-sglang")["spec"]["template"]["spec"]
+    template = find(docs, "Deployment", "-sglang")["spec"]["template"]
+    directory = name == "sglang-directory"
+    namespace = "kv" if directory else "bench"
+    assert inject.cache_of(template, "bench") == (namespace, "flatcake")
+    cache = R.Cache("flatcake", namespace, "")
+    body = {
+        "dram": {"hugepageSize": "none" if directory else "2Mi"},
+        "ssd": {"directory": "/mnt/nvme"} if directory else {"devices": ["/dev/nvme0n1"]},
+        "kv": {"layers": 43, "pageBytes": 12288},
+    }
+    spec = parse_spec(admit("flatcake.io", "flatcakecaches", {"spec": body})["spec"])
+    pod = inject.mutate(template, R.pod_wiring(spec, cache))
     container = pod["containers"][0]
     assert container["command"] == ["python3", "-m", "sglang.launch_server"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    expanded = [a.replace("$(FLATCAKE_HICACHE_EXTRA_CONFIG)", env["FLATCAKE_HICACHE_EXTRA_CONFIG"])
+                for a in container["args"]]  # fmt: skip
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    args = parser.parse_args(container["args"])  # exits on an unknown or malformed flag
+    args = parser.parse_args(expanded)  # exits on an unknown or malformed flag
     assert args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic" and args.page_size == 256
     # The flags of the project's own runs: metrics for the Overview dashboard, the layout, the prefetch policy.
     assert args.enable_metrics and args.hicache_mem_layout == "layer_first"
@@ -138,16 +152,6 @@ def test_sglang_example_matches_sglangs_parser_and_the_agents_paths(name: str) -
     # (HybridCacheController.parse_storage_backend_extra_config refuses anything but a bool).
     assert extra["hicache_storage_pass_prefix_keys"] is True
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
-
-    directory = name == "sglang-directory"
-    namespace = "kv" if directory else "bench"
-    cache = R.Cache("flatcake", namespace, "")
-    body = {
-        "dram": {"hugepageSize": "none" if directory else "2Mi"},
-        "ssd": {"directory": "/mnt/nvme"} if directory else {"devices": ["/dev/nvme0n1"]},
-        "kv": {"layers": 43, "pageBytes": 12288},
-    }
-    spec = parse_spec(admit("flatcake.io", "flatcakecaches", {"spec": body})["spec"])
     config = R.engine_config(spec, cache)
     assert extra["socket"] == config["agent"]["socket"]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
@@ -247,12 +251,16 @@ def test_master_and_two_workers_run_the_charts_command_lines(tmp_path: Path) -> 
     assert all((results / p).stat().st_size > 0 for p in report["plots"])
 
 
-def test_sglang_affinity_uses_the_operators_ready_label_for_long_names() -> None:
+def test_sglang_pod_names_its_cache_for_the_webhook() -> None:
+    """Long cache names too: the ready label is the operator's own (render.ready_label), applied by the
+    webhook, so the chart carries only the cache's name and namespace."""
+    from flatcake.operator import inject
+
     cache = "c" * 70 + "-.x"
     docs = render(*COMBINATIONS["sglang-devices"], "--set", f"sglang.flatcake.cache={cache}")
-    pod = find(docs, "Deployment", "-sglang")["spec"]["template"]["spec"]
-    term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
-    assert term["matchExpressions"][0]["key"] == R.ready_label(R.Cache(cache, "bench", ""))
+    template = find(docs, "Deployment", "-sglang")["spec"]["template"]
+    assert inject.cache_of(template, "bench") == ("bench", cache)
+    assert "affinity" not in template["spec"] and not [v for v in template["spec"]["volumes"] if "hostPath" in v]
 
 
 def test_target_api_chat_reaches_both_roles() -> None:
@@ -297,7 +305,8 @@ def test_pod_options_and_name_overrides_reach_every_pod() -> None:
         pod = doc["spec"]["template"]
         assert pod["spec"]["priorityClassName"] == "bench-low", name
         assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}], name
-        assert pod["metadata"]["annotations"] == {"team": "serving"}, name
+        own = {"flatcake.io/cache-namespace": doc["metadata"]["namespace"]} if name == "kv-sglang" else {}
+        assert pod["metadata"]["annotations"] == {"team": "serving", **own}, name
         assert pod["metadata"]["labels"]["tier"] == "bench", name
         component = pod["metadata"]["labels"]["app.kubernetes.io/component"]
         assert component != "x" and component.removeprefix("locust-") in name, name  # the chart's label stays

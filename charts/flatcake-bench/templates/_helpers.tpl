@@ -111,7 +111,3 @@ http://{{ include "bench.fullname" . }}-emulator:{{ .Values.emulator.port }}
 - {{ . | quote }}
 {{- end }}
 {{- end -}}
-
-{{- define "bench.cacheInstance" -}}
-{{ .Values.sglang.flatcake.namespace | default .Release.Namespace }}.{{ .Values.sglang.flatcake.cache }}
-{{- end -}}
