@@ -31,6 +31,17 @@ VERIFY_READS = ("off", "ssd", "all")
 MAX_FRAME = 16 << 20
 """Largest control-protocol frame: a 65,536-key lookup of 64-character keys fits with room to spare."""
 
+SGLANG_BACKEND = {
+    "backend_name": "flatcake",
+    "module_path": "flatcake.node_agent.sglang",
+    "class_name": "FlatCakeStorage",
+    "interface_v1": True,
+    "hicache_storage_pass_prefix_keys": True,
+}
+"""SGLang's ``--hicache-storage-backend-extra-config`` for FlatCake's backend, less its ``socket``: the
+dynamic backend to load, its batch interface, and prefix keys passed (the placement signals; SGLang
+passes them only for a JSON true)."""
+
 
 def watermark_problem(low: float, high: float) -> str | None:
     """Why a pair of SSD reclaim watermarks is invalid, or None: reclaim starts above ``high`` and

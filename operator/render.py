@@ -13,7 +13,7 @@ from typing import Any
 
 from flatcake.errors import ConfigError
 from flatcake.node_agent.config import EngineConfig
-from flatcake.node_agent.constants import HUGETLBFS_MOUNTS
+from flatcake.node_agent.constants import HUGETLBFS_MOUNTS, SGLANG_BACKEND
 from flatcake.operator.spec import (
     CONFIG_HASH_ANNOTATION,
     GROUP,
@@ -251,10 +251,6 @@ def node_ids_map(cache: Cache, ids: dict[str, int]) -> dict[str, Any]:
             "data": {node: str(i) for node, i in sorted(ids.items())}}  # fmt: skip
 
 
-BACKEND = {"backend_name": "flatcake", "module_path": "flatcake.node_agent.sglang", "class_name": "FlatCakeStorage",
-           "interface_v1": True, "hicache_storage_pass_prefix_keys": True}  # fmt: skip
-
-
 def pod_wiring(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
     """What an inference pod using this cache needs (operator/inject.py adds it): the same host paths
     and socket as the agents', SGLang's backend extra config, the ready label, the files' group."""
@@ -265,7 +261,7 @@ def pod_wiring(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
         "pool_root": pool_root(spec, cache),
         "hugetlbfs_dir": HUGETLBFS_MOUNTS.get(spec.hugepage_size),
         "socket": socket,
-        "extra_config": {**BACKEND, "socket": socket},
+        "extra_config": {**SGLANG_BACKEND, "socket": socket},
         "ready_label": ready_label(cache),
         "gid": spec.access_gid,
     }

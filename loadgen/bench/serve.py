@@ -36,6 +36,7 @@ from flatcake.loadgen.serve.server import SGLangServer, cpu_seconds, server_pyth
 from flatcake.loadgen.traces.formats import write_trace
 from flatcake.loadgen.traces.synth import SynthConfig, synthesize
 from flatcake.node_agent import geometry
+from flatcake.node_agent.constants import SGLANG_BACKEND
 
 if TYPE_CHECKING:
     from flatcake.node_agent import EngineConfig
@@ -120,9 +121,7 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
         )  # fmt: skip
         agent = spawn(config, node)
         try:
-            extra = {"backend_name": "flatcake", "module_path": "flatcake.node_agent.sglang",
-                     "class_name": "FlatCakeStorage", "socket": config.agent.socket, "interface_v1": True,
-                     "hicache_storage_pass_prefix_keys": True}  # fmt: skip
+            extra = {**SGLANG_BACKEND, "socket": config.agent.socket}
             yield Backend({"storage_backend": "dynamic", "storage_config": extra}, config, (agent.pid,))
         finally:
             agent.terminate()

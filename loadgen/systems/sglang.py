@@ -29,6 +29,7 @@ import numpy as np
 from flatcake.loadgen.systems.base import Array, RequestTiming, RestoreCounters, SystemSpec
 from flatcake.loadgen.systems.flatcake import engine_config, medium_of
 from flatcake.node_agent import AgentConfig, ConfigError, DramConfig, Hints, IOConfig, Key, spawn
+from flatcake.node_agent.constants import SGLANG_BACKEND
 from flatcake.node_agent.datapath.buffers import round_up
 
 BATCH = 128  # sglang.srt.mem_cache.hicache_storage.STORAGE_BATCH_SIZE in 0.5.23
@@ -211,9 +212,7 @@ class FlatCakeSGLangSystem(_SGLangSystem):
         )
         self.agent = spawn(config, directory)
         try:
-            extra = {"backend_name": "flatcake", "module_path": "flatcake.node_agent.sglang",
-                     "class_name": "FlatCakeStorage", "socket": config.agent.socket, "interface_v1": True,
-                     "hicache_storage_pass_prefix_keys": True}  # fmt: skip
+            extra = {**SGLANG_BACKEND, "socket": config.agent.socket}
             self.backend = self.factory.create_backend("dynamic", self.storage_config(extra), self.pool)
             self.backend.register_mem_pool_host(self.pool)
         except BaseException:
