@@ -57,7 +57,7 @@ def check_cache(cache: Cache) -> None:
     """What the cache's name and namespace must allow: valid object names, and host paths the agent
     can use (its socket path carries both)."""
     check_cache_name(cache.name)
-    socket = f"{RUN_ROOT}/{cache.instance}/agent.sock"
+    socket = socket_path(cache)
     if len(socket.encode()) > SOCKET_PATH_MAX:
         raise SpecError("metadata.name", f"the agent's socket {socket} would be {len(socket.encode())} bytes, over "
                         f"the {SOCKET_PATH_MAX} a Unix socket path may have; recreate the cache under a shorter "
@@ -98,6 +98,15 @@ def labels(cache: Cache, component: str = "agent") -> dict[str, str]:
     }
 
 
+def run_dir(cache: Cache) -> str:
+    """The host directory shared by a cache's agent and its inference pods: socket, DRAM pool file."""
+    return f"{RUN_ROOT}/{cache.instance}"
+
+
+def socket_path(cache: Cache) -> str:
+    return f"{run_dir(cache)}/agent.sock"
+
+
 def pool_root(spec: CacheSpec, cache: Cache) -> str:
     """The host directory holding this cache's pool: a mounted array, or below the given directory."""
     if spec.devices:
@@ -112,7 +121,6 @@ POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.
 
 def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str, Any]:
     """The engine configuration for every agent of this cache (NodeIDs come from the NodeID map)."""
-    run_dir = f"{RUN_ROOT}/{cache.instance}"
     huge = spec.hugepage_size != "none"
     root = pool_root(spec, cache)
     return {
@@ -123,7 +131,7 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
         "dram": {
             "bytes": spec.dram_bytes,
             "huge_pages": huge,
-            "shm_dir": run_dir,
+            "shm_dir": run_dir(cache),
             "hugetlbfs_dir": HUGETLBFS_MOUNTS.get(spec.hugepage_size),
             "name": f"flatcake-{cache.instance}",
             "pinned": spec.pinned,
@@ -153,7 +161,7 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
             "short_reply_tokens": spec.short_reply_tokens,
         },
         "agent": {
-            "socket": f"{run_dir}/agent.sock",
+            "socket": socket_path(cache),
             # Each pod binds its own IP (`agent serve --metrics-host $(POD_IP)`, below): the ConfigMap is
             # shared by every node, and the default (loopback) is what an agent run by hand gets.
             "metrics_host": "127.0.0.1",
@@ -254,10 +262,9 @@ def node_ids_map(cache: Cache, ids: dict[str, int]) -> dict[str, Any]:
 def pod_wiring(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
     """What an inference pod using this cache needs (operator/inject.py adds it): the same host paths
     and socket as the agents', SGLang's backend extra config, the ready label, the files' group."""
-    config = engine_config(spec, cache)
-    socket = config["agent"]["socket"]
+    socket = socket_path(cache)
     return {
-        "run_dir": f"{RUN_ROOT}/{cache.instance}",
+        "run_dir": run_dir(cache),
         "pool_root": pool_root(spec, cache),
         "hugetlbfs_dir": HUGETLBFS_MOUNTS.get(spec.hugepage_size),
         "socket": socket,
@@ -271,13 +278,13 @@ def _host_volumes(spec: CacheSpec, cache: Cache) -> tuple[list[dict[str, Any]], 
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": names(cache)["config"]}},
         {"name": "node-ids", "configMap": {"name": names(cache)["node_ids"], "optional": True}},
-        {"name": "run", "hostPath": {"path": f"{RUN_ROOT}/{cache.instance}", "type": "DirectoryOrCreate"}},
+        {"name": "run", "hostPath": {"path": run_dir(cache), "type": "DirectoryOrCreate"}},
         {"name": "pool", "hostPath": {"path": pool_root(spec, cache), "type": "DirectoryOrCreate"}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "node-ids", "mountPath": NODE_IDS_DIR, "readOnly": True},
-        {"name": "run", "mountPath": f"{RUN_ROOT}/{cache.instance}"},
+        {"name": "run", "mountPath": run_dir(cache)},
         {"name": "pool", "mountPath": pool_root(spec, cache), "mountPropagation": "HostToContainer"},
     ]
     if spec.hugepage_size in HUGETLBFS_MOUNTS:
