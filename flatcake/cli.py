@@ -42,6 +42,17 @@ def _bench_restore(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_remote(args: argparse.Namespace) -> int:
+    from flatcake.loadgen.bench import remote as br
+
+    cfg = br.QUICK if args.quick else br.RemoteConfig()
+    overrides = {k: v for k, v in vars(args).items() if k in br.RemoteConfig.__dataclass_fields__ and v is not None}
+    report = br.run(dataclasses.replace(cfg, **overrides), Path(args.dir), log=lambda m: print(m, file=sys.stderr))
+    print(br.format_table(report))
+    _write_json(args.json, report)
+    return 0 if report["corrupt_pages"] == 0 else 1
+
+
 def _bench_peers(args: argparse.Namespace) -> int:
     from flatcake.loadgen.bench import peers as bp
 
@@ -405,6 +416,14 @@ def _add_bench(sub: Subparsers) -> None:
         restore.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
     restore.set_defaults(func=_bench_restore)
 
+    rm = bench.add_parser("remote", help="cross-node restores: two agents in two network namespaces (needs root)")
+    rm.add_argument("--quick", action="store_true", help="64 pages a set, 2 repeats (seconds)")
+    rm.add_argument("--pages", type=int, help="pages per set (default 512)")
+    rm.add_argument("--repeats", type=int, help="restores of each set (default 5), the paths alternating")
+    rm.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    rm.add_argument("--dir", default=".flatcake-bench/remote", help="scratch directory for both agents' pools")
+    rm.set_defaults(func=_bench_remote)
+
     sv = bench.add_parser("serve", help="a real SGLang server (CPU) replaying a trace slice with each L3 backend")
     sv.add_argument("--quick", action="store_true", help="one rate, 16 requests, one repeat (under 5 minutes)")
     sv.add_argument("--systems", type=_csv(str, "--systems"), help=f"default and choices: {names.choices('serve')}")
@@ -709,6 +728,12 @@ def _geometry(args: argparse.Namespace) -> int:
     print(f"{g.model_type}: {g.attention.upper()}, {g.layers} layers, {g.bytes_per_token_layer} B per token and "
           f"layer ({share}); a {g.page_tokens}-token page is {g.raw_page_bytes} B per layer, "
           f"{g.page_bytes} B aligned")  # fmt: skip
+    if g.sidecars:
+        print(f"  the KV pool holds {g.layers} of {g.total_layers} layers; beside it (SGLang's v2 storage interface):")
+    for s in g.sidecars:
+        covers = f"{s.page_tokens}-token page" if s.page_tokens else "request state"
+        print(f"  pool {s.name}: {s.layers} layers, {s.page_bytes} B per {covers}, stored as {s.chunks} cache "
+              f"page(s); a hit needs its last {s.trailing_pages} page(s)")  # fmt: skip
     kv = g.kv()
     print(f"spec:\n  kv: {{layers: {kv['layers']}, pageBytes: {kv['pageBytes']}, pageTokens: {kv['pageTokens']}}}")
     print(f"  # or name the model: kv: {{model: {{config: <config.json>, tensorParallel: {args.tp}, "

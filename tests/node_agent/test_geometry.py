@@ -54,14 +54,49 @@ def test_published_models(name: str, tp: int, page_tokens: int, kv_dtype: str, l
     assert g.attention == ("mla" if name.startswith("deepseek") else "mha")
 
 
+def test_sliding_window_hybrid_keeps_its_full_layers_in_the_kv_pool_and_the_rest_in_swa() -> None:
+    """GPT-OSS: 12 full and 12 sliding layers of 8 KV heads x 64 (bf16), a 128-token window. SGLang's KV pool
+    (what the backend registers) holds the full layers; the swa pool a page of every sliding layer."""
+    g = load("gpt-oss-20b", page_tokens=64)
+    assert (g.layers, g.total_layers, g.bytes_per_token_layer, g.page_bytes) == (12, 24, 2 * 8 * 64 * 2, 131072)
+    (swa,) = g.sidecars
+    assert (swa.name, swa.layers, swa.page_bytes) == ("swa", 12, 64 * 2 * 8 * 64 * 12 * 2)  # (2, page, L, heads, dim)
+    assert (swa.hit_policy, swa.trailing_pages, swa.chunks) == ("trailing_pages", 2, 1)  # ceil(128 / 64) pages
+    assert load("gpt-oss-20b", page_tokens=16).sidecars[0].trailing_pages == 8
+    assert g.stored_bytes_per_page() == {"kv": 12 * 131072, "swa": 12 * 131072}
+
+
+def test_linear_attention_hybrid_stores_one_request_state_per_page_beside_its_kv() -> None:
+    """Qwen3-Next: every 4th of 48 layers is full attention (2 KV heads x 256); the 36 linear layers keep a
+    request state each: conv (conv_dim / tp, kernel - 1) in bf16, recurrent (heads / tp, 128, 128) in fp32."""
+    g = load("qwen3-next-80b-a3b-instruct", page_tokens=64)
+    assert (g.layers, g.total_layers, g.page_bytes, g.replicated) == (12, 48, 2 * 2 * 256 * 2 * 64, False)
+    (mamba,) = g.sidecars
+    conv_dim = 128 * 32 + 2 * 16 * 128
+    state = conv_dim * 3 * 2 + 32 * 128 * 128 * 4
+    assert (mamba.name, mamba.layers, mamba.page_bytes, mamba.page_tokens) == ("mamba", 36, 36 * state, 0)
+    assert (mamba.hit_policy, mamba.trailing_pages) == ("trailing_pages", 1)
+    assert mamba.chunks == -(-36 * state // (12 * g.page_bytes))  # 50 cache pages per state
+    tp4 = load("qwen3-next-80b-a3b-instruct", tp=4, page_tokens=64)
+    assert tp4.replicated and tp4.page_bytes == 65536  # 4 ranks over 2 KV heads: one head each
+    assert tp4.sidecars[0].page_bytes == 36 * (conv_dim // 4 * 3 * 2 + 8 * 128 * 128 * 4)
+    with pytest.raises(ConfigError, match="mamba_ssm_dtype: 'int8' must be one of"):
+        geometry.from_config({**json.loads((CONFIGS / "qwen3-next-80b-a3b-instruct.json").read_text()),
+                              "mamba_ssm_dtype": "int8"})  # fmt: skip
+
+
 def test_what_cannot_be_derived_is_refused_naming_the_fix(tmp_path: Path) -> None:
     qwen = json.loads((CONFIGS / "qwen2.5-7b-instruct.json").read_text())
     with pytest.raises(ConfigError, match="tp: 3 ranks cannot share 4 KV heads evenly"):
         geometry.from_config(qwen, tp=3)
-    with pytest.raises(ConfigError, match="sliding-window model .* give spec.kv"):
-        geometry.from_config({**qwen, "use_sliding_window": True})
-    with pytest.raises(ConfigError, match="hybrid model"):
-        geometry.from_config({**qwen, "full_attention_interval": 4})
+    # Qwen2's sliding window is not a pool of its own in SGLang: every layer stays in the KV pool.
+    assert geometry.from_config({**qwen, "use_sliding_window": True}).layers == 28
+    with pytest.raises(ConfigError, match="deepseek_v4: a compressed-attention model.*give spec.kv"):
+        load("deepseek-v4-flash")
+    with pytest.raises(ConfigError, match="sliding-window model: SGLang splits pools per architecture"):
+        geometry.from_config({**qwen, "layer_types": ["sliding_attention", "full_attention"] * 14})
+    with pytest.raises(ConfigError, match="Mamba hybrid whose layer pattern"):
+        geometry.from_config({**qwen, "hybrid_override_pattern": "M*M*"})
     with pytest.raises(ConfigError, match="kv_dtype: 'int3' must be one of"):
         geometry.from_config(qwen, kv_dtype="int3")
     with pytest.raises(ConfigError, match="num_hidden_layers: None in config.json is not a positive integer"):
@@ -88,5 +123,9 @@ def test_the_command_prints_the_caches_kv(capsys: pytest.CaptureFixture[str]) ->
     out = json.loads(capsys.readouterr().out)
     assert out["kv"] == {"layers": 61, "pageBytes": 36864, "pageTokens": 32} and out["replicated"] is True
     assert out["sglang_flags"] == "--tp-size 8 --page-size 32 --kv-cache-dtype auto"
+    assert main(["geometry", str(CONFIGS / "qwen3-next-80b-a3b-instruct.json")]) == 0
+    text = capsys.readouterr().out
+    assert "the KV pool holds 12 of 48 layers" in text and "pool mamba: 36 layers" in text
+    assert "kv: {layers: 12, pageBytes: 131072, pageTokens: 64}" in text
     assert main(["geometry", str(CONFIGS / "qwen2.5-7b-instruct.json"), "--tp", "3"]) != 0  # a clear error, no trace
     assert "cannot share 4 KV heads" in capsys.readouterr().err
