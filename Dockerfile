@@ -7,8 +7,10 @@ RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-ins
         mdadm xfsprogs util-linux fio \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/flatcake
-COPY requirements/runtime.txt requirements/runtime.txt
+COPY requirements/runtime.txt requirements/peers.txt requirements/
 RUN pip install --no-cache-dir -r requirements/runtime.txt
+# Mooncake's transfer engine: cross-node reads (cluster.listen / cluster.peers); its dependencies are in runtime.txt.
+RUN pip install --no-cache-dir --no-deps -r requirements/peers.txt
 COPY . .
 RUN pip install --no-cache-dir --no-deps . && rm -rf /opt/flatcake/tests
 ENV PYTHONSAFEPATH=1

@@ -13,6 +13,8 @@ A tour:
   memory (``HostRestore``), or streamed through a bounded staging window into GPU memory (``Restore``).
 - ``connect(socket)`` is the same ``Engine`` whose catalog is the node agent: many processes on a node
   share one index and one allocator, and move the bytes themselves. ``spawn`` starts an agent process.
+- ``Cluster(engine)`` adds the other nodes' agents (``cluster.peers``): ``exists`` and ``restore`` go on
+  where the local prefix ends, reading a peer's DRAM and staged SSD pages over Mooncake's transfer engine.
 - ``ChainSignals`` derives a put's ``Hints`` from the key chains a serving engine names (continuations
   make a prefix shared; a write continuing a session's last page is its next turn): the SGLang
   backend's derivation, shared by every benchmark.
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
     from flatcake.node_agent.policy.placement import Hints, Key
     from flatcake.node_agent.policy.signals import ChainSignals
     from flatcake.node_agent.service.client import AgentConnection, connect
+    from flatcake.node_agent.service.cluster import Cluster
     from flatcake.node_agent.service.main import spawn
 
 _EXPORTS = {
@@ -70,6 +73,7 @@ _EXPORTS = {
     "aligned_empty": "flatcake.node_agent.datapath.buffers",
     "CapacityError": "flatcake.errors",
     "ChainSignals": "flatcake.node_agent.policy.signals",
+    "Cluster": "flatcake.node_agent.service.cluster",
     "ConfigError": "flatcake.errors",
     "connect": "flatcake.node_agent.service.client",
     "DramConfig": "flatcake.node_agent.config",
@@ -118,6 +122,7 @@ __all__ = [
     "AgentConnection",
     "CapacityError",
     "ChainSignals",
+    "Cluster",
     "ConfigError",
     "DramConfig",
     "Engine",

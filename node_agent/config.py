@@ -24,6 +24,7 @@ from flatcake.node_agent.constants import (
     MAX_FRAME,
     MAX_NODE_ID,
     PLACEMENT_MODES,
+    TRANSFER_PROTOCOLS,
     VERIFY_READS,
     watermark_problem,
 )
@@ -156,6 +157,15 @@ class ClusterConfig:
     cache_uid: str = ""  # owner of the FlatCakeNode (garbage-collected with the cache)
     node_ids_dir: str = ""  # a ConfigMap volume with one file per node name holding its NodeID
     report_interval_s: float = 10.0
+    # Cross-node reads (service/peers.py, service/cluster.py) over Mooncake's transfer engine. ``listen``
+    # ("host:port", port 0 picks one) serves this agent's pages to other nodes; ``peers`` are the other
+    # agents' listen addresses, which this node's clients ask for what the local cache lacks.
+    listen: str = ""
+    peers: tuple[str, ...] = ()
+    transfer_protocol: str = "tcp"  # the transfer engine's transport: tcp, or rdma where the nodes have it
+    transfer_device: str = ""  # RDMA devices for the transfer engine (empty: its own choice)
+    staging_bytes: int = 64 * MiB  # registered memory SSD pages are staged in for peers (and land in, reading)
+    peer_timeout_s: float = 5.0  # a peer's answer or transfer not done within it turns into misses
 
 
 @dataclass(frozen=True)
@@ -238,6 +248,21 @@ class EngineConfig:
             raise ConfigError(f"agent.frame_budget_bytes: {self.agent.frame_budget_bytes} must be at least one "
                               f"whole frame ({MAX_FRAME} bytes)")  # fmt: skip
         _one_of(self.io.verify_reads, VERIFY_READS, "io.verify_reads")
+        self._check_cluster()
+
+    def _check_cluster(self) -> None:
+        c = self.cluster
+        for where, address in (("cluster.listen", c.listen), *(("cluster.peers", p) for p in c.peers)):
+            if address and host_port(address) is None:
+                raise ConfigError(f"{where}: {address!r} must be host:port (an IPv4 address or name, and a port "
+                                  "0..65535; port 0 in listen picks a free one)")  # fmt: skip
+        _one_of(c.transfer_protocol, TRANSFER_PROTOCOLS, "cluster.transfer_protocol")
+        min_stage = 2 * self.layers * self.page_bytes
+        if c.staging_bytes % ALIGN or c.staging_bytes < min_stage:
+            raise ConfigError(f"cluster.staging_bytes: {c.staging_bytes} must be a multiple of {ALIGN} and hold at "
+                              f"least two pages of all layers ({min_stage} bytes)")  # fmt: skip
+        if not c.peer_timeout_s > 0:
+            raise ConfigError(f"cluster.peer_timeout_s: {c.peer_timeout_s} must be > 0 seconds")
         _one_of(self.prepare.hugepage_size, HUGEPAGE_SIZES, "prepare.hugepage_size")
         if self.prepare.devices and not Path(self.ssd.dir).is_relative_to(self.prepare.mount):
             raise ConfigError(f"ssd.dir: {self.ssd.dir} must lie under prepare.mount ({self.prepare.mount}) "
@@ -318,6 +343,14 @@ def _positive(obj: object, *names: str, prefix: str = "") -> None:
         value = getattr(obj, name)
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{prefix}{name}: {value!r} must be a positive integer")
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``host:port`` address, or None where it is not one."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535 or "/" in host:
+        return None
+    return host, int(port)
 
 
 T = TypeVar("T")

@@ -25,6 +25,9 @@ PLACEMENT_MODES = ("table2", "adaptive")  # placement.mode: the paper's Table 2,
 IO_BACKENDS = ("auto", "posix", "kvikio")
 JOURNAL_FSYNC_POLICIES = ("always", "interval", "never")
 EXTENT_POLICIES = ("warn", "refuse")
+TRANSFER_PROTOCOLS = ("tcp", "rdma")
+"""Transports of Mooncake's transfer engine that cross-node reads use (cluster.transfer_protocol)."""
+
 VERIFY_READS = ("off", "ssd", "all")
 """Which restored pages a reader checks against their published crc32: none, SSD pages, or all."""
 

@@ -32,8 +32,8 @@ def make_engine(tmp_path: Path) -> Iterator[Callable[..., Engine]]:
 def agent_thread(tmp_path: Path) -> Iterator[Callable[..., AgentThread]]:
     made: list[AgentThread] = []
 
-    def start(**kw: Any) -> AgentThread:
-        a = AgentThread(small_config(tmp_path / "node", **kw))
+    def start(sub: str = "node", **kw: Any) -> AgentThread:
+        a = AgentThread(small_config(tmp_path / sub, **kw))
         made.append(a)
         return a
 

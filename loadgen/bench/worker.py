@@ -12,7 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,14 +40,20 @@ def run(module: str, directory: Path, job: dict[str, Any], timeout: float = 3600
     ``directory`` (passed as ``job["directory"]``); its result, or why it has none."""
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    job = {**job, "directory": str(directory.resolve())}
     try:
-        proc = subprocess.run([sys.executable, "-m", module], input=json.dumps(job), capture_output=True, text=True,
-                              timeout=timeout)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return {"ran": False, "why_not": f"worker ran past {timeout:.0f} s"}
+        return call(module, {**job, "directory": str(directory.resolve())}, timeout=timeout)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def call(module: str, job: dict[str, Any], timeout: float = 3600, prefix: Sequence[str] = ()) -> dict[str, Any]:
+    """Run ``python -m module`` on ``job`` (under ``prefix``, e.g. ``ip netns exec NS``); its result, or why
+    it has none."""
+    try:
+        proc = subprocess.run([*prefix, sys.executable, "-m", module], input=json.dumps(job), capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"ran": False, "why_not": f"worker ran past {timeout:.0f} s"}
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = proc.stderr.strip().splitlines()[-3:]

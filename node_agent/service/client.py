@@ -20,7 +20,7 @@ import numpy as np
 from flatcake.errors import by_code
 from flatcake.node_agent.catalog.local import Allocation, Lease
 from flatcake.node_agent.catalog.shared_index import SharedIndexReader
-from flatcake.node_agent.config import EngineConfig
+from flatcake.node_agent.config import EngineConfig, host_port
 from flatcake.node_agent.datapath.engine import Engine
 from flatcake.node_agent.datapath.io_backends import IOBackend
 from flatcake.node_agent.datapath.stats import Stats
@@ -51,13 +51,17 @@ class AgentConnection:
         self.reconnects = 0
 
     def _open(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        """A Unix socket (this node's agent), or TCP for ``host:port`` (another node's, cluster.listen)."""
+        tcp = host_port(self.path) if not self.path.startswith("/") else None
+        sock = socket.socket(socket.AF_INET if tcp else socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
-            sock.connect(self.path)
+            sock.connect(tcp or self.path)
         except OSError as exc:
             sock.close()
             raise ConnectionError(f"cannot reach the flatcake agent at {self.path}: {exc.strerror or exc}") from None
+        if tcp:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small request/reply frames
         return sock
 
     def call(self, op: str, **args: Any) -> Any:

@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,15 @@ from flatcake.node_agent.service.server import Agent
 log = logging.getLogger(__name__)
 
 
-def spawn(config: EngineConfig, workdir: Path, output: Any = subprocess.DEVNULL, timeout: float = 60) -> Any:
+def spawn(config: EngineConfig, workdir: Path, output: Any = subprocess.DEVNULL, timeout: float = 60,
+          prefix: Sequence[str] = ()) -> Any:  # fmt: skip
     """Start ``flatcake agent serve`` as its own process (config written to ``workdir/engine.json``)
-    and return it once its socket answers."""
+    and return it once its socket answers. ``prefix`` runs it under another command (``ip netns exec NS``)."""
     path = workdir / "engine.json"
     path.write_text(json.dumps(config.to_dict()))
     exe = Path(sys.executable).parent / "flatcake"
-    proc = subprocess.Popen([str(exe), "agent", "serve", "--config", str(path)], cwd=workdir, stdout=output,
-                            stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen([*prefix, str(exe), "agent", "serve", "--config", str(path)], cwd=workdir,
+                            stdout=output, stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + timeout
     while True:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import operator
 import platform
@@ -39,7 +40,7 @@ from flatcake.node_agent.catalog.journal import Journal
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.catalog.recovery import Recovered, close_fds, page_crc_reader, recover, scan
 from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, seqlock_safe
-from flatcake.node_agent.config import EngineConfig
+from flatcake.node_agent.config import EngineConfig, host_port
 from flatcake.node_agent.datapath.dram_pool import DramPool
 from flatcake.node_agent.datapath.engine import local_table
 from flatcake.node_agent.datapath.file_pool import create_pool
@@ -48,6 +49,7 @@ from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.policy.scopes import Location
 from flatcake.node_agent.service import http
 from flatcake.node_agent.service import protocol as P
+from flatcake.node_agent.service.peers import PEER_OPS, PeerService
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class Session:
     registered: bool = False
     allocs: set[int] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)
+    remote: bool = False  # a connection from another node (cluster.listen): read ops only
+    staged: set[int] = field(default_factory=set)  # staging regions it holds (peers.py)
 
 
 class Agent:
@@ -107,6 +111,8 @@ class Agent:
         self._stopping = threading.Event()  # set by close: ends the recovery scan and the journal compactor
         self._scanner: threading.Thread | None = None
         self._compactor: threading.Thread | None = None
+        self.peers: PeerService | None = None  # serving other nodes (cluster.listen), made by serve
+        self.peer_address = ""  # host:port the peer service listens on, once bound
 
     def _shared_index(self, max_pages: int) -> SharedIndexWriter | None:
         """The shared-memory index clients look keys up in (catalog/shared_index.py), next to the DRAM
@@ -173,6 +179,9 @@ class Agent:
             raise P.ProtocolError(P.UNKNOWN_OP, f"op: {op!r} is not one of {', '.join(sorted(OPS))}")
         if op != "register" and not session.registered:
             raise P.ProtocolError(P.NOT_REGISTERED, f"{op}: register first (send op 'register')")
+        if session.remote and op not in PEER_OPS:
+            raise P.ProtocolError(P.UNKNOWN_OP, f"op: {op!r} is not served to other nodes (only "
+                                  f"{', '.join(sorted(PEER_OPS))}); write through this node's own agent")  # fmt: skip
         return handler(self, session, args)
 
     def op_register(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
@@ -185,8 +194,11 @@ class Agent:
                 )  # fmt: skip
         session.registered = True
         index = self.catalog.index
-        return {"config": c.to_dict(), "dram_path": self.dram.info.path, "session": session.id, "epoch": self.epoch,
-                "index_path": str(index.path) if index is not None else ""}  # fmt: skip
+        reply = {"config": c.to_dict(), "dram_path": self.dram.info.path, "session": session.id, "epoch": self.epoch,
+                 "index_path": str(index.path) if index is not None else ""}  # fmt: skip
+        if self.peers is not None:
+            reply["peer"] = self.peers.info()
+        return reply
 
     def op_exists(self, session: Session, args: dict[str, Any]) -> int:
         return self.catalog.exists(P.keys_arg(args))
@@ -238,6 +250,27 @@ class Agent:
         session.leases.discard(lease_id)
         self.catalog.release(lease_id)  # first: a bad stats map must not leave the pages pinned
         self._merge_stats(args.get("stats", {}))
+
+    async def op_stage(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        """Restore SSD pages into a staging region a peer reads over the transfer engine (peers.py)."""
+        peers = self._peer_service("stage")
+        keys = P.keys_arg(args)
+        staged = await asyncio.to_thread(peers.stage, keys)  # disk reads: off the loop
+        if session.id in self.sessions:
+            session.staged.add(staged["handle"])
+        else:  # the peer left while its pages were read: nobody will unstage them
+            peers.staging.give(staged["handle"])
+        return staged
+
+    def op_unstage(self, session: Session, args: dict[str, Any]) -> None:
+        handle = _owned(session.staged, P.int_arg(args, "id"), "staging region")
+        session.staged.discard(handle)
+        self._peer_service("unstage").staging.give(handle)
+
+    def _peer_service(self, op: str) -> PeerService:
+        if self.peers is None:
+            raise P.ProtocolError(P.UNKNOWN_OP, f"{op}: this agent serves no other nodes (set cluster.listen)")
+        return self.peers
 
     def op_report(self, session: Session, args: dict[str, Any]) -> None:
         self._merge_stats(args.get("stats", {}))
@@ -295,12 +328,16 @@ class Agent:
         return {"append": j.append_errors if j else 0, "sync": j.sync_errors if j else 0,
                 "compact": j.compact_errors if j else 0}  # fmt: skip
 
-    def handle_frame(self, session: Session, body: bytes) -> tuple[str, dict[str, Any]]:
-        """The reply to one request frame, and the op it was (for metrics); never raises."""
+    async def handle_frame(self, session: Session, body: bytes) -> tuple[str, dict[str, Any]]:
+        """The reply to one request frame, and the op it was (for metrics); never raises. Ops are answered
+        on the loop; an op that must wait (``stage`` reads disks) is a coroutine, awaited here."""
         req_id, op = 0, "?"
         try:
             req_id, op, args = P.check_request(P.unpack(body))
-            reply = P.ok(req_id, self.dispatch(session, op, args))
+            result = self.dispatch(session, op, args)
+            if inspect.isawaitable(result):
+                result = await result
+            reply = P.ok(req_id, result)
         except FlatCakeError as exc:
             reply = P.error(req_id, exc.code, str(exc))
         except (ValueError, TypeError) as exc:  # argument checks, numpy style: the message names the field
@@ -322,6 +359,9 @@ class Agent:
         for lease_id in list(session.leases):
             with contextlib.suppress(UnknownHandleError):
                 self.catalog.release(lease_id)
+        if self.peers is not None:
+            for handle in session.staged:
+                self.peers.staging.give(handle)
         if session.allocs or session.leases:
             log.info("client %d left: aborted %d allocations, released %d leases",
                      session.id, len(session.allocs), len(session.leases))  # fmt: skip
@@ -329,9 +369,13 @@ class Agent:
         session.leases.clear()
         self.sessions.pop(session.id, None)
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve_connection(reader, writer, remote=True)
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                remote: bool = False) -> None:  # fmt: skip
         a = self.config.agent
-        pid = _peer_pid(writer)
+        pid = 0 if remote else _peer_pid(writer)
         busy = None
         if len(self.sessions) >= a.max_clients:
             busy = (f"the agent serves agent.max_clients={a.max_clients} connections already; retry later or "
@@ -347,7 +391,7 @@ class Agent:
             writer.close()
             return
         self._next_session += 1
-        session = self.sessions[self._next_session] = Session(self._next_session, pid)
+        session = self.sessions[self._next_session] = Session(self._next_session, pid, remote=remote)
         self._writers.add(writer)
         try:
             while True:
@@ -371,7 +415,7 @@ class Agent:
                 else:
                     body = await self._receive(reader, length)
                     started = time.perf_counter()
-                    op, reply = self.handle_frame(session, body)
+                    op, reply = await self.handle_frame(session, body)
                     del body
                     writer.write(P.pack(reply))
                     # Service time: decode, work, encode (the socket and queueing are the client's view).
@@ -437,6 +481,7 @@ class Agent:
         path = Path(self.config.agent.socket)
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_socket(path)
+        peer_server = await self._serve_peers()  # first: a client that reaches the socket may ask peers
         server = await asyncio.start_unix_server(self._serve_connection, path=str(path))
         share_path(path, self.gid)
         stop = stop or asyncio.Event()
@@ -449,12 +494,28 @@ class Agent:
         self.start_scan()
         async with server:
             await stop.wait()
+        if peer_server is not None:
+            peer_server.close()
         self.ready = False
         for writer in list(self._writers):  # end the connections too, so their handlers finish here
             writer.close()
         deadline = time.monotonic() + 5
         while self._writers and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+
+    async def _serve_peers(self) -> asyncio.Server | None:
+        """The read ops on TCP for other nodes, and the transfer engine behind them (cluster.listen)."""
+        c = self.config.cluster
+        where = host_port(c.listen) if c.listen else None
+        if where is None:
+            return None
+        self.peers = await asyncio.to_thread(PeerService, self.config, self.catalog, self.dram)
+        server = await asyncio.start_server(self._serve_peer, where[0], where[1])
+        port = server.sockets[0].getsockname()[1]
+        self.peer_address = f"{where[0]}:{port}"
+        log.info("serving other nodes on %s; transfer engine %s over %s", self.peer_address,
+                 self.peers.transfer.endpoint, c.transfer_protocol)  # fmt: skip
+        return server
 
     def start_scan(self) -> None:
         """Check the recovered pages in the background (once), now that clients are served."""
@@ -509,6 +570,8 @@ class Agent:
             self.journal.close()
         if self.catalog.index is not None:
             self.catalog.index.close()
+        if self.peers is not None:
+            self.peers.close()
         self.dram.close(unlink=False)  # the pool outlives the agent process
 
 

@@ -30,6 +30,10 @@ The v2 interface (``register_mem_host_pool_v2``, ``batch_exists_v2``, ``batch_ge
 DeepSeek-V4 compressed pools, draft pools) under its own key namespace, ``<hash><suffix>#<pool>``, as
 the flat pages SGLang's host pools give (``get_data_page(flat=True)``/``set_from_flat_data_page``),
 cut into chunks of the agent's page geometry (``layers x page_bytes``); the KV pool keeps the v1 path.
+
+Across nodes: when this node's agent names peers (``cluster.peers``), KV lookups and restores go on
+where the local prefix ends, from another node's agent (``service/cluster.py``); sidecar pools are
+looked up on this node only.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from flatcake.node_agent.datapath.target import PagedTarget
 from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.policy.signals import ChainSignals, Run
 from flatcake.node_agent.service.client import connect
+from flatcake.node_agent.service.cluster import Cluster
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +138,7 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         self.rank_suffix = suffix if not self.is_mla else f"@tp{c.tp_rank}of{c.tp_size}" + suffix
         self.writer = bool(getattr(c, "is_storage_writer", not self.is_mla or c.tp_rank == 0))
         self.engine: Engine | None = None
+        self.cluster: Cluster | None = None  # other nodes' agents, when this node's agent names peers
         self.target: PagedTarget | None = None  # the host pool as a restore destination (_host_target)
         self._memory_base = 0
         self.signals = ChainSignals(int(extra.get("signal_capacity", 1 << 16)))
@@ -157,6 +163,8 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         self.raw_bytes = sample.numel() * sample.element_size() // self.layers
         self.page_bytes = round_up(self.raw_bytes)
         self.engine = connect(self.socket, layers=self.layers, page_bytes=self.page_bytes)
+        if self.engine.config.cluster.peers:  # KV pages this node lacks may come from another node's agent
+            self.cluster = Cluster(self.engine)
         self.target = self._host_target(pool)
         log.info("FlatCake storage: restores %s", "land in the host pool in place" if self.target else
                  "copy into the host pool (its pages are not views of one CPU buffer)")  # fmt: skip
@@ -295,11 +303,14 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         says whether entry i's bytes arrived."""
         engine = self._engine()
         try:
-            hit = engine.exists(names)
+            hit = (self.cluster or engine).exists(names)
             if hit == 0:
                 return [False] * len(names)
-            with engine.get(names[:hit], dest_for(hit)) as restore:
-                missing = restore.run()
+            if self.cluster is not None:  # the local prefix, then a peer's continuation
+                missing = self.cluster.restore(names[:hit], dest_for(hit))
+            else:
+                with engine.get(names[:hit], dest_for(hit)) as restore:
+                    missing = restore.run()
         except STORAGE_FAULTS as exc:
             log.warning("FlatCake storage: get of %d pages failed: %s", len(names), exc)
             return [False] * len(names)
@@ -342,7 +353,7 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         self._observe(keys, extra_info)
         try:
-            return self._engine().exists(self._keys(keys))
+            return (self.cluster or self._engine()).exists(self._keys(keys))
         except STORAGE_FAULTS as exc:
             log.warning("FlatCake storage: exists failed: %s", exc)
             return 0
@@ -578,6 +589,9 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         """Nothing to do per process: the agent owns the cache (reclaim and wipe are the agent's)."""
 
     def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None

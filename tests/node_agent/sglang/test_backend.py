@@ -181,3 +181,31 @@ def test_restored_pages_land_in_the_pool_whether_its_pages_are_views_or_copies(
     for j in range(3):
         assert torch.equal(pool.kv_buffer[:, (3 + j) * PAGE : (4 + j) * PAGE], original[:, j * PAGE : (j + 1) * PAGE])
     backend.close()
+
+
+def test_a_prefix_written_through_one_nodes_sglang_is_a_hit_on_anothers(agent_thread: Start) -> None:
+    """Two nodes' agents (loopback): node B's agent names node A's as its peer, so B's backend finds and
+    restores, bit-exact into its host pool, the pages A's backend stored, and only B's own after them."""
+    from flatcake.net import free_port
+    from flatcake.node_agent.config import ClusterConfig
+
+    page_bytes = 2 * PAGE * HEADS * DIM * 2
+    listen = f"127.0.0.1:{free_port()}"
+    size = {"layers": LAYERS, "page_bytes": page_bytes, "files": 8, "file_bytes": 64 * LAYERS * page_bytes}
+    a = agent_thread("a", node_id=1, cluster=ClusterConfig(listen=listen, staging_bytes=8 * LAYERS * page_bytes),
+                     **size)  # fmt: skip
+    b = agent_thread("b", node_id=2, cluster=ClusterConfig(peers=(listen,), staging_bytes=8 * LAYERS * page_bytes),
+                     **size)  # fmt: skip
+    pool_a, pool_b = HostPool(False, "page_first"), HostPool(False, "page_first")
+    writer, reader = make_backend(a, pool_a), make_backend(b, pool_b)
+    keys = [f"{i:064x}" for i in range(6)]
+    assert writer.batch_set_v1(keys, torch.arange(0, 6 * PAGE)) == [True] * 6
+    assert reader.batch_exists(keys) == 6 and reader.batch_exists([*keys, "e" * 64]) == 6
+    pool_b.kv_buffer.zero_()
+    assert reader.batch_get_v1(keys, torch.arange(6 * PAGE, 12 * PAGE)) == [True] * 6
+    for j in range(6):
+        assert torch.equal(pool_b.get_data_page((6 + j) * PAGE, flat=False), pool_a.get_data_page(j * PAGE, flat=False))
+    assert reader.cluster is not None and reader.cluster.last.node_id == 1 and reader.cluster.last.pages == 6
+    assert writer.cluster is None  # A's agent names no peers: its backend stays on its own node
+    reader.close()
+    writer.close()

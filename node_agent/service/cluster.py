@@ -1,0 +1,291 @@
+"""Hits beyond this node: where the local cache's prefix ends, another node's agent may go on.
+
+``Cluster(engine)`` wraps a client's engine (``connect``) with the other nodes' agents
+(``cluster.peers``, their ``cluster.listen`` addresses):
+
+- ``exists(keys)``: the local prefix (the engine), then, for the rest, the longest prefix any live peer
+  holds. Peers are asked in parallel, each within ``cluster.peer_timeout_s``; no coordinator is asked
+  on the read path (discovery is the peer list, which the operator renders).
+- ``restore(keys, dest)``: the local prefix through the engine (FC-CIO), the rest from the peer that
+  holds it: leased there (no reclaim under the read), DRAM pages read one-sided from its pool, SSD
+  pages staged by its agent and read one range per layer (``service/peers.py``), all over Mooncake's
+  transfer engine into a registered landing buffer, checked page by page against the published crc32,
+  then written into ``dest`` (numpy ``[layers][slots][page_bytes]`` or a ``PagedTarget``).
+
+Failures turn into misses, never into wrong bytes: a peer that does not answer, whose transfer fails or
+times out, or whose bytes do not match their crc32 yields ``missing`` pages; a failed peer is left out
+of lookups for ``peer_timeout_s`` and then reconnected from scratch (a restarted agent registers
+anew, with its new pool address).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from flatcake.errors import FlatCakeError
+from flatcake.node_agent.catalog.checksum import page_checksum
+from flatcake.node_agent.config import host_port
+from flatcake.node_agent.datapath.buffers import aligned_empty
+from flatcake.node_agent.datapath.engine import Engine
+from flatcake.node_agent.datapath.target import PagedTarget, host_target
+from flatcake.node_agent.datapath.transfer import Transfer
+from flatcake.node_agent.policy import gva as G
+from flatcake.node_agent.policy.placement import Key
+from flatcake.node_agent.service.client import AgentConnection
+
+log = logging.getLogger(__name__)
+
+PEER_FAULTS = (FlatCakeError, ConnectionError, TimeoutError, OSError)
+Ints = npt.NDArray[np.int64]
+
+
+@dataclass
+class Peer:
+    """Another node's agent as this client sees it."""
+
+    address: str  # its cluster.listen
+    conn: AgentConnection | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # its register reply's "peer": node_id, transfer, ...
+    down_until: float = 0.0
+    failures: int = 0
+
+
+@dataclass
+class RemoteRead:
+    """What one restore took from peers (``Cluster.last``)."""
+
+    node_id: int = -1
+    pages: int = 0
+    dram_pages: int = 0
+    ssd_pages: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    first_layer_s: float = 0.0  # from the start until layer 0 of the first chunk had landed
+    corrupt_pages: int = 0  # arrived, but did not match their crc32 (reported missing)
+
+
+class Cluster:
+    """This client's engine plus the other nodes' agents (see the module's docstring)."""
+
+    def __init__(self, engine: Engine, peers: Sequence[str] | None = None, *, timeout_s: float | None = None) -> None:
+        c = engine.config
+        self.engine = engine
+        self.peers = [Peer(a) for a in (c.cluster.peers if peers is None else peers)]
+        self.timeout_s = timeout_s if timeout_s is not None else c.cluster.peer_timeout_s
+        self.layers, self.page_bytes = c.layers, c.page_bytes
+        self.span = c.layers * c.page_bytes
+        self._landing_bytes = c.cluster.staging_bytes
+        self._transfer: Transfer | None = None
+        self._landing: npt.NDArray[np.uint8] | None = None
+        self._quarantine: list[npt.NDArray[np.uint8]] = []  # landing buffers a timed-out read may still fill
+        self._lock = threading.Lock()  # one remote restore at a time through the landing buffer
+        self._ask = ThreadPoolExecutor(max_workers=max(1, len(self.peers)), thread_name_prefix="flatcake-peers")
+        self.last = RemoteRead()
+
+    # ---- lookups -----------------------------------------------------------------------------------
+    def exists(self, keys: Sequence[Key]) -> int:
+        """The stored prefix of ``keys`` across the cluster: this node's, continued by one peer's."""
+        local = self.engine.exists(keys)
+        if local == len(keys) or not self.peers:
+            return local
+        _, hit = self._find(keys[local:])
+        return local + hit
+
+    def _find(self, keys: Sequence[Key]) -> tuple[Peer | None, int]:
+        """The live peer with the longest stored prefix of ``keys``, and its length."""
+        live = [p for p in self.peers if p.down_until <= time.monotonic()]
+        if not live or not keys:
+            return None, 0
+        answers = list(self._ask.map(lambda p: (p, self._peer_exists(p, keys)), live))
+        best, hit = max(answers, key=lambda a: a[1])
+        return (best, hit) if hit else (None, 0)
+
+    def _peer_exists(self, peer: Peer, keys: Sequence[Key]) -> int:
+        try:
+            return int(self._conn(peer).call("exists", keys=list(keys)))
+        except PEER_FAULTS as exc:
+            self._down(peer, f"lookup: {exc}")
+            return 0
+
+    def _conn(self, peer: Peer) -> AgentConnection:
+        if peer.conn is None:
+            conn = AgentConnection(peer.address, timeout=self.timeout_s)
+            try:
+                reply = conn.call("register", layers=self.layers, page_bytes=self.page_bytes)
+            except BaseException:
+                conn.close()
+                raise
+            if "peer" not in reply:
+                conn.close()
+                raise ConnectionError(f"{peer.address}: the agent there serves no peers (cluster.listen unset)")
+            peer.conn, peer.info = conn, reply["peer"]
+        return peer.conn
+
+    def _down(self, peer: Peer, why: str) -> None:
+        """Leave ``peer`` out of lookups for a while; its next use connects (and registers) anew."""
+        peer.failures += 1
+        peer.down_until = time.monotonic() + self.timeout_s
+        if peer.conn is not None:
+            peer.conn.close()
+            peer.conn = None
+        log.warning("peer %s (node %s): %s; left out for %.1f s", peer.address, peer.info.get("node_id", "?"), why,
+                    self.timeout_s)  # fmt: skip
+
+    # ---- restores ----------------------------------------------------------------------------------
+    def restore(self, keys: Sequence[Key], dest: npt.NDArray[np.uint8] | PagedTarget) -> set[int]:
+        """Restore ``keys`` into ``dest`` pages ``0..len(keys)-1``: the local prefix, then a peer's. Returns
+        the indexes of ``keys`` whose bytes did not arrive (everything past the stored prefix among them)."""
+        target = dest if isinstance(dest, PagedTarget) else host_target(dest)
+        local = self.engine.exists(keys)
+        missing: set[int] = set()
+        if local:
+            with self.engine.get(keys[:local], target.head(local)) as restore:
+                missing |= set(restore.run())
+        self.last = RemoteRead()
+        if local < len(keys) and self.peers:
+            peer, hit = self._find(keys[local:])
+            got = self._remote(peer, keys[local : local + hit], target, local) if peer is not None else 0
+            missing |= set(range(local + got, len(keys)))
+        else:
+            missing |= set(range(local, len(keys)))
+        return missing
+
+    def _remote(self, peer: Peer, keys: Sequence[Key], target: PagedTarget, first: int) -> int:
+        """Read ``keys`` from ``peer`` into ``target`` pages ``first..``; returns how many leading pages
+        arrived intact (the rest are misses)."""
+        if not keys:
+            return 0
+        started = time.perf_counter()
+        done = 0
+        with self._lock:
+            try:
+                transfer = self._transfer_for(peer)
+                chunk = max(1, min(int(peer.info.get("stage_pages", 1)), self._landing_bytes // self.span))
+                while done < len(keys):
+                    part = keys[done : done + chunk]
+                    ok = self._chunk(peer, transfer, part, target, first + done, started)
+                    done += ok
+                    if ok < len(part):
+                        break
+            except PEER_FAULTS as exc:  # the chunks before the failing one arrived whole
+                self._down(peer, f"restore: {exc}")
+        self.last.node_id = int(peer.info.get("node_id", -1))
+        self.last.seconds = time.perf_counter() - started
+        return done
+
+    def _transfer_for(self, peer: Peer) -> Transfer:
+        if self._transfer is None:
+            c = self.engine.config.cluster
+            self._transfer = Transfer(_route_to(peer.address), c.transfer_protocol, c.transfer_device)
+        if self._landing is None:
+            self._landing = aligned_empty(self._landing_bytes)
+            self._landing[::4096] = 0  # fault it in before the first read lands
+            self._transfer.register(int(self._landing.ctypes.data), self._landing.nbytes)
+        return self._transfer
+
+    def _chunk(self, peer: Peer, transfer: Transfer, keys: Sequence[Key], target: PagedTarget, first: int,
+               started: float) -> int:  # fmt: skip
+        """One leased chunk: DRAM pages one-sided, SSD pages staged, checked, written to ``target``."""
+        conn = self._conn(peer)
+        lease = conn.call("acquire", keys=list(keys))
+        staged: dict[str, Any] | None = None
+        try:
+            n, L, P = len(keys), self.layers, self.page_bytes
+            assert self._landing is not None
+            landing = self._landing[: n * self.span].reshape(L, n, P)
+            gva = np.asarray(lease["gva"], dtype=np.uint64)
+            on_ssd = gva >= np.uint64(G.SSD_THRESHOLD)
+            offsets = (gva & np.uint64(G.MAX_OFFSET)).astype(np.int64)
+            ssd = np.flatnonzero(on_ssd)
+            dram = np.flatnonzero(~on_ssd)
+            staged_missing: set[int] = set()
+            if len(ssd):
+                staged = conn.call("stage", keys=[keys[int(i)] for i in ssd])
+                staged_missing = {int(ssd[i]) for i in staged["missing"]}
+            base = int(landing.ctypes.data)
+            dram_base = int(peer.info["dram_base"])
+            for layer in range(L):
+                local, remote, lengths = _pieces(
+                    base + (layer * n) * P, P, dram, dram_base + offsets[dram] + layer * P,
+                    ssd, (int(staged["address"]) + layer * len(ssd) * P) if staged else 0,
+                )  # fmt: skip
+                if not transfer.read(str(peer.info["transfer"]), local, remote, lengths, self.timeout_s):
+                    raise ConnectionError(f"transfer of layer {layer} from {peer.info['transfer']} failed")
+                if layer == 0 and not self.last.first_layer_s:
+                    self.last.first_layer_s = time.perf_counter() - started
+            crc = lease.get("crc") or []
+            good = n
+            for j in range(n):
+                if j in staged_missing or (crc and page_checksum(landing, j) != crc[j]):
+                    if j not in staged_missing:
+                        self.last.corrupt_pages += 1
+                    good = j
+                    break
+            pages = np.arange(good, dtype=np.int64)
+            for layer in range(L):
+                target.write(layer, first + pages, landing[layer, :good])
+            self.last.pages += good
+            self.last.dram_pages += int((dram < good).sum())
+            self.last.ssd_pages += int((ssd < good).sum())
+            self.last.bytes += good * self.span
+            return good
+        except TimeoutError:
+            # The read may still land: this landing buffer is no longer ours to reuse.
+            if self._landing is not None:
+                self._quarantine.append(self._landing)
+                self._landing = None
+            raise
+        finally:
+            with contextlib.suppress(*PEER_FAULTS):
+                if staged is not None:
+                    conn.call("unstage", id=int(staged["handle"]))
+                conn.call("release", id=int(lease["id"]))
+
+    def close(self) -> None:
+        self._ask.shutdown(wait=False, cancel_futures=True)
+        for peer in self.peers:
+            if peer.conn is not None:
+                peer.conn.close()
+        if self._transfer is not None:
+            self._transfer.close()
+
+
+def _pieces(local_base: int, page_bytes: int, dram: Ints, dram_addr: Ints, ssd: Ints,
+            staged_base: int) -> tuple[list[int], list[int], list[int]]:  # fmt: skip
+    """One layer's transfer ranges: page ``j`` lands at ``local_base + j x page_bytes``; DRAM page ``dram[i]``
+    comes from ``dram_addr[i]``, SSD page ``ssd[i]`` from ``staged_base + i x page_bytes``. Pages adjacent on
+    both sides merge into one range."""
+    order = np.concatenate([dram, ssd])
+    remote = np.concatenate([dram_addr, staged_base + np.arange(len(ssd), dtype=np.int64) * page_bytes])
+    sort = np.argsort(order, kind="stable")
+    order, remote = order[sort], remote[sort]
+    local = local_base + order * page_bytes
+    if not len(order):
+        return [], [], []
+    cut = np.flatnonzero((np.diff(local) != page_bytes) | (np.diff(remote) != page_bytes)) + 1
+    starts = np.concatenate([[0], cut])
+    ends = np.concatenate([cut, [len(order)]])
+    return local[starts].tolist(), remote[starts].tolist(), ((ends - starts) * page_bytes).tolist()
+
+
+def _route_to(address: str) -> str:
+    """This host's address on the route to ``address`` (the transfer engine binds and advertises it)."""
+    where = host_port(address)
+    assert where is not None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((where[0], where[1] or 9))  # UDP connect sends nothing; it picks the route's source
+        return str(s.getsockname()[0])
+
+
+__all__ = ["Cluster", "Peer", "RemoteRead"]
