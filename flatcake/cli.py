@@ -355,21 +355,28 @@ def _agent_serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig.load(args.config)
     if args.metrics_host is not None:
-        config = dataclasses.replace(config, agent=dataclasses.replace(config.agent, metrics_host=_address(args)))
+        host = _address("--metrics-host", args.metrics_host)
+        config = dataclasses.replace(config, agent=dataclasses.replace(config.agent, metrics_host=host))
+    if args.listen_host is not None:
+        if not config.cluster.listen:
+            raise ConfigError("--listen-host: the configuration has no cluster.listen (cross-node reads are off)")
+        port = config.cluster.listen.rpartition(":")[2]
+        listen = f"{_address('--listen-host', args.listen_host)}:{port}"
+        config = dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, listen=listen))
     agent.run(config)
     return 0
 
 
-def _address(args: argparse.Namespace) -> str:
-    """``--metrics-host``: an IP address. In a pod it is ``$(POD_IP)``, which Kubernetes expands only
-    when the container's env sets POD_IP (from status.podIP); unexpanded, say so."""
+def _address(flag: str, value: str) -> str:
+    """An IP address flag. In a pod it is ``$(POD_IP)``, which Kubernetes expands only when the
+    container's env sets POD_IP (from status.podIP); unexpanded, say so."""
     import ipaddress
 
     try:
-        return str(ipaddress.ip_address(args.metrics_host))
+        return str(ipaddress.ip_address(value))
     except ValueError:
         raise ConfigError(
-            f"--metrics-host: {args.metrics_host!r} is not an IP address (e.g. 127.0.0.1, or the pod's IP: "
+            f"{flag}: {value!r} is not an IP address (e.g. 127.0.0.1, or the pod's IP: "
             "set POD_IP from status.podIP in the container's env and pass $(POD_IP))"
         ) from None
 
@@ -701,6 +708,8 @@ def _add_agent(sub: Subparsers) -> None:
     serve.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")
     serve.add_argument("--metrics-host", dest="metrics_host",
                        help="IP for /metrics, /healthz, /readyz (default: agent.metrics_host, 127.0.0.1)")  # fmt: skip
+    serve.add_argument("--listen-host", dest="listen_host",
+                       help="IP other nodes reach this agent at: cluster.listen's host (in a pod, its IP)")  # fmt: skip
     serve.set_defaults(func=_agent_serve, service=True)
     prep = agent.add_parser("prepare", help="hugepages, RAID-0, XFS, mount and the file pool (plan, then apply)")
     prep.add_argument("--config", required=True, help="engine configuration (JSON), as rendered by the operator")

@@ -188,8 +188,18 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
             "cache_uid": cache.uid,
             "node_ids_dir": NODE_IDS_DIR,
             "report_interval_s": 10.0,
+            # Each pod serves other nodes at its own IP (`agent serve --listen-host $(POD_IP)`, below).
+            **_cross_node(spec),
         },
     }
+
+
+def _cross_node(spec: CacheSpec) -> dict[str, Any]:
+    """cluster.* for spec.crossNode: the host is each pod's own IP (`agent serve --listen-host $(POD_IP)`)."""
+    if not spec.cross_node:
+        return {}
+    return {"listen": f"0.0.0.0:{spec.cross_node_port}", "transfer_protocol": spec.transfer_protocol,
+            "transfer_device": spec.transfer_device}  # fmt: skip
 
 
 # The spec field each checked engine field is rendered from (the prefix of EngineConfig's errors),
@@ -357,9 +367,23 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
                             "name": "agent",
                             "image": spec.image,
                             "imagePullPolicy": spec.image_pull_policy,
-                            "command": [*command, "serve", "--metrics-host", "$(POD_IP)", *config_arg],
+                            "command": [
+                                *command,
+                                "serve",
+                                "--metrics-host",
+                                "$(POD_IP)",
+                                *(["--listen-host", "$(POD_IP)"] if spec.cross_node else []),
+                                *config_arg,
+                            ],
                             "env": [*node_env, POD_IP_ENV],
-                            "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
+                            "ports": [
+                                {"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"},
+                                *(
+                                    [{"name": "peers", "containerPort": spec.cross_node_port, "protocol": "TCP"}]
+                                    if spec.cross_node
+                                    else []
+                                ),
+                            ],
                             "resources": agent_resources(spec),
                             "securityContext": {
                                 "privileged": False,

@@ -182,6 +182,10 @@ class CacheSpec:
     wipe_policy: str
     pod: PodOptions = dataclasses.field(default_factory=lambda: PodOptions())
     access_gid: int | None = None  # the group given the agent's files; injected pods get it as a supplemental group
+    cross_node: bool = False  # spec.crossNode.enabled: serve and read pages across nodes
+    cross_node_port: int = 7471
+    transfer_protocol: str = "tcp"
+    transfer_device: str = ""
 
     @property
     def pool_bytes(self) -> int:
@@ -271,6 +275,10 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
         wipe_policy=r.get("wipePolicy", str, "Refuse"),
         pod=pod,
         access_gid=gid,
+        cross_node=r.get("crossNode.enabled", bool, False),
+        cross_node_port=r.get("crossNode.port", int, 7471),
+        transfer_protocol=r.get("crossNode.transferProtocol", str, "tcp"),
+        transfer_device=r.get("crossNode.transferDevice", str, ""),
     )
     # Watermarks, file and staging slot sizes are the engine configuration's own rules: the rendered
     # configuration is checked by EngineConfig (render.check_engine_config), not again here.

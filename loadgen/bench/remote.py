@@ -4,8 +4,9 @@ Two namespaces joined by a veth pair (addresses only inside them, from 198.18.0.
 range) each run a real node agent: A serves its pages to other nodes (``cluster.listen``), B names A
 as its peer. A worker in A's namespace writes a shared prompt (placed on DRAM by Table 2) and an agent
 session (placed on SSD); a worker in B's namespace writes the same shapes locally, then restores A's
-sets through ``Cluster`` (remote DRAM: one-sided reads of A's pool; remote SSD: staged by A's agent)
-and its own sets through its engine, alternating, each set ``repeats`` times. Every restored page is
+sets through ``Cluster`` (remote DRAM: staged by A's agent, as over TCP by default, and
+``remote_dram_onesided``: read page-layer by page-layer from A's pool, as over RDMA; remote SSD: staged
+by A's agent) and its own sets through its engine, alternating, each set ``repeats`` times. Every restored page is
 compared with the bytes written (regenerated from the seed): ``corrupt_pages`` counts the ones that
 differ or failed their crc32 on arrival. Last, A's agent is killed (SIGKILL) while B restores A's
 session: ``peer_killed`` says how long after the kill B had its answer, how many pages were misses,
@@ -53,7 +54,7 @@ class RemoteConfig:
 
 
 QUICK = RemoteConfig(pages=64, layers=8, page_bytes=32 * 1024, repeats=2, staging_bytes=8 * MiB)
-PATHS = ("remote_dram", "remote_ssd", "local_dram", "local_ssd")
+PATHS = ("remote_dram", "remote_dram_onesided", "remote_ssd", "local_dram", "local_ssd")
 
 
 @dataclass(frozen=True)
@@ -228,14 +229,17 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
                     raise RuntimeError(f"the {which} set was placed on {put.medium} ({put.reason})")
             return {"ran": True}
         cluster = Cluster(engine)
+        one_sided = Cluster(engine, stage_dram=False)  # DRAM pages read from A's pool, as over RDMA
         if job["op"] == "read_killed":
             return _read_killed(cluster, cfg, Path(job["progress"]))
         runs: dict[str, list[dict[str, float]]] = {p: [] for p in PATHS}
         expected = {which: _pages(cfg, seed) for which, seed in SETS.items()}
         for _ in range(cfg.repeats):
             for path in PATHS:  # alternating: the machine's noise falls on every path alike
-                where, which = path.split("_")
-                runs[path].append(_restore(cluster, "A" if where == "remote" else "B", which, cfg, expected[which]))
+                where, which = path.split("_")[:2]
+                reader = one_sided if path.endswith("onesided") else cluster
+                runs[path].append(_restore(reader, "A" if where == "remote" else "B", which, cfg, expected[which]))
+        one_sided.close()
         cluster.close()
         return {path: _summary(rs, cfg) for path, rs in runs.items()}
     finally:
@@ -308,12 +312,12 @@ def _summary(runs: list[dict[str, float]], cfg: RemoteConfig) -> dict[str, Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    rows = [f"{'path':<12} {'MB/s':>9} {'x local':>8} {'first layer':>12} {'missing':>8} {'corrupt':>8}"]
+    rows = [f"{'path':<20} {'MB/s':>9} {'x local':>8} {'first layer':>12} {'missing':>8} {'corrupt':>8}"]
     local = report["local_bytes_per_s"]
     for path in PATHS:
         r = report[path]
         first = f"{r['time_to_first_layer_s'] * 1e3:.2f}ms"
-        rows.append(f"{path:<12} {r['bytes_per_s'] / 1e6:>9.1f} {r['bytes_per_s'] / local:>8.2f} {first:>12} "
+        rows.append(f"{path:<20} {r['bytes_per_s'] / 1e6:>9.1f} {r['bytes_per_s'] / local:>8.2f} {first:>12} "
                     f"{r['missing_pages']:>8} {r['corrupt_pages']:>8}")  # fmt: skip
     k = report["peer_killed"]
     rows.append(f"A killed mid-restore: {k['missing_pages']} pages missed, {k['arrived_pages']} arrived, "

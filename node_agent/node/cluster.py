@@ -55,7 +55,7 @@ def resource_name(config: EngineConfig, node: str) -> str:
 
 
 def node_status(usage: dict[str, dict[str, int]], *, node_id: int, ready: bool, last_error: str,
-                device_bytes: int, hugepages_bytes: int, now: str) -> dict[str, Any]:  # fmt: skip
+                device_bytes: int, hugepages_bytes: int, now: str, peer: str = "") -> dict[str, Any]:  # fmt: skip
     """The FlatCakeNode status for the given engine usage (pure)."""
     return {
         "nodeId": node_id,
@@ -67,6 +67,7 @@ def node_status(usage: dict[str, dict[str, int]], *, node_id: int, ready: bool, 
         "deviceBytes": device_bytes,
         "hugepagesBytes": hugepages_bytes,
         "lastError": last_error,
+        "peer": peer,
         "lastReportTime": now,
         "conditions": [
             {
@@ -96,9 +97,11 @@ class NodeReporter:
 
     def __init__(self, config: EngineConfig, node: str, node_id: int, usage: Callable[[], dict[str, dict[str, int]]],
                  ready: Callable[[], bool], kube: Any, filesystem_bytes: Callable[[], int] | None = None,
+                 peer: Callable[[], str] = str, on_peers: Callable[[list[str]], None] | None = None,
                  ) -> None:  # fmt: skip
         self.config, self.node, self.node_id = config, node, node_id
         self.usage, self.ready, self.kube = usage, ready, kube
+        self.peer, self.on_peers = peer, on_peers  # where this agent serves other nodes; who the others are
         self.filesystem_bytes = filesystem_bytes or (lambda: shutil.disk_usage(config.ssd.dir).total)
         self.last_error = ""
         self._sent: dict[str, Any] | None = None  # the last status written, less its timestamp
@@ -124,7 +127,7 @@ class NodeReporter:
         status = node_status(
             self.usage(), node_id=self.node_id, ready=self.ready() if ready is None else ready,
             last_error=self.last_error, device_bytes=self.filesystem_bytes(),
-            hugepages_bytes=reserved_bytes(), now=now,
+            hugepages_bytes=reserved_bytes(), now=now, peer=self.peer(),
         )  # fmt: skip
         content = {k: v for k, v in status.items() if k != "lastReportTime"}
         due = time.monotonic() - self._sent_at >= HEARTBEAT_INTERVALS * c.cluster.report_interval_s
@@ -137,10 +140,28 @@ class NodeReporter:
         self._sent, self._sent_at = content, time.monotonic()
         return True
 
+    def discover_once(self) -> list[str]:
+        """The other agents of this cache that serve other nodes and are ready, from their FlatCakeNodes
+        (``status.peer``), handed to ``on_peers``: how clients learn their peers, off the read path."""
+        from flatcake import kube as K
+
+        c = self.config.cluster
+        found = sorted(
+            str(n["status"]["peer"])
+            for n in self.kube.list(K.FLATCAKE_NODES, c.namespace, {"flatcake.io/cache": c.cache})
+            if n.get("spec", {}).get("nodeName") != self.node
+            and (n.get("status") or {}).get("ready") and (n.get("status") or {}).get("peer")
+        )  # fmt: skip
+        if self.on_peers is not None:
+            self.on_peers(found)
+        return found
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 self.report_once()
+                if self.on_peers is not None:
+                    self.discover_once()
             except Exception as exc:
                 log.warning(
                     "FlatCakeNode report failed (retrying in %.0fs): %s", self.config.cluster.report_interval_s, exc

@@ -5,7 +5,8 @@
 
 - ``exists(keys)``: the local prefix (the engine), then, for the rest, the longest prefix any live peer
   holds. Peers are asked in parallel, each within ``cluster.peer_timeout_s``; no coordinator is asked
-  on the read path (discovery is the peer list, which the operator renders).
+  on the read path. Who the peers are, this node's agent says (op ``peers``: ``cluster.peers`` and the
+  agents it found in their FlatCakeNodes), asked again every ``PEER_REFRESH_S``.
 - ``restore(keys, dest)``: the local prefix through the engine (FC-CIO), the rest from the peer that
   holds it: leased there (no reclaim under the read), DRAM pages read one-sided from its pool, SSD
   pages staged by its agent and read one range per layer (``service/peers.py``), all over Mooncake's
@@ -47,6 +48,7 @@ from flatcake.node_agent.service.client import AgentConnection
 log = logging.getLogger(__name__)
 
 PEER_FAULTS = (FlatCakeError, ConnectionError, TimeoutError, OSError)
+PEER_REFRESH_S = 10.0  # how often the peer list is asked of this node's agent
 Ints = npt.NDArray[np.int64]
 
 
@@ -78,10 +80,17 @@ class RemoteRead:
 class Cluster:
     """This client's engine plus the other nodes' agents (see the module's docstring)."""
 
-    def __init__(self, engine: Engine, peers: Sequence[str] | None = None, *, timeout_s: float | None = None) -> None:
+    def __init__(self, engine: Engine, peers: Sequence[str] | None = None, *, timeout_s: float | None = None,
+                 stage_dram: bool | None = None) -> None:  # fmt: skip
         c = engine.config
+        # Whether peers stage their DRAM pages too (``_staged``); None: by the transport.
+        self.stage_dram = c.cluster.transfer_protocol != "rdma" if stage_dram is None else stage_dram
         self.engine = engine
         self.peers = [Peer(a) for a in (c.cluster.peers if peers is None else peers)]
+        # Given no list, the peers are whoever this node's agent names now (its ``peers`` op).
+        self._agent: Any = getattr(engine.catalog, "conn", None) if peers is None else None
+        self._refreshed = -float("inf")
+        self.refresh_s = PEER_REFRESH_S
         self.timeout_s = timeout_s if timeout_s is not None else c.cluster.peer_timeout_s
         self.layers, self.page_bytes = c.layers, c.page_bytes
         self.span = c.layers * c.page_bytes
@@ -90,17 +99,34 @@ class Cluster:
         self._landing: npt.NDArray[np.uint8] | None = None
         self._quarantine: list[npt.NDArray[np.uint8]] = []  # landing buffers a timed-out read may still fill
         self._lock = threading.Lock()  # one remote restore at a time through the landing buffer
-        self._ask = ThreadPoolExecutor(max_workers=max(1, len(self.peers)), thread_name_prefix="flatcake-peers")
+        self._ask = ThreadPoolExecutor(max_workers=16, thread_name_prefix="flatcake-peers")
         self.last = RemoteRead()
 
     # ---- lookups -----------------------------------------------------------------------------------
     def exists(self, keys: Sequence[Key]) -> int:
         """The stored prefix of ``keys`` across the cluster: this node's, continued by one peer's."""
         local = self.engine.exists(keys)
+        self._refresh()
         if local == len(keys) or not self.peers:
             return local
         _, hit = self._find(keys[local:])
         return local + hit
+
+    def _refresh(self) -> None:
+        """Take the peer list this node's agent gives now (keeping the connections of peers still in it)."""
+        if self._agent is None or time.monotonic() - self._refreshed < self.refresh_s:
+            return
+        self._refreshed = time.monotonic()
+        try:
+            addresses = [str(a) for a in self._agent.call("peers")]
+        except PEER_FAULTS as exc:  # an agent without the op, or gone: keep the list as it is
+            log.debug("peers: the local agent did not say (%s)", exc)
+            return
+        known = {p.address: p for p in self.peers}
+        for gone in set(known) - set(addresses):
+            if known[gone].conn is not None:
+                known[gone].conn.close()  # type: ignore[union-attr]
+        self.peers = [known.get(a) or Peer(a) for a in addresses]
 
     def _find(self, keys: Sequence[Key]) -> tuple[Peer | None, int]:
         """The live peer with the longest stored prefix of ``keys``, and its length."""
@@ -148,6 +174,7 @@ class Cluster:
         the indexes of ``keys`` whose bytes did not arrive (everything past the stored prefix among them)."""
         target = dest if isinstance(dest, PagedTarget) else host_target(dest)
         local = self.engine.exists(keys)
+        self._refresh()
         missing: set[int] = set()
         if local:
             with self.engine.get(keys[:local], target.head(local)) as restore:
@@ -196,7 +223,8 @@ class Cluster:
 
     def _chunk(self, peer: Peer, transfer: Transfer, keys: Sequence[Key], target: PagedTarget, first: int,
                started: float) -> int:  # fmt: skip
-        """One leased chunk: DRAM pages one-sided, SSD pages staged, checked, written to ``target``."""
+        """One leased chunk: pages read one-sided or staged by the peer (``_staged``), checked, written to
+        ``target``."""
         conn = self._conn(peer)
         lease = conn.call("acquire", keys=list(keys))
         staged: dict[str, Any] | None = None
@@ -207,18 +235,20 @@ class Cluster:
             gva = np.asarray(lease["gva"], dtype=np.uint64)
             on_ssd = gva >= np.uint64(G.SSD_THRESHOLD)
             offsets = (gva & np.uint64(G.MAX_OFFSET)).astype(np.int64)
-            ssd = np.flatnonzero(on_ssd)
-            dram = np.flatnonzero(~on_ssd)
+            ssd, dram = np.flatnonzero(on_ssd), np.flatnonzero(~on_ssd)
+            stage = self._staged(on_ssd)
+            direct = np.flatnonzero(~stage)
+            staging = np.flatnonzero(stage)
             staged_missing: set[int] = set()
-            if len(ssd):
-                staged = conn.call("stage", keys=[keys[int(i)] for i in ssd])
-                staged_missing = {int(ssd[i]) for i in staged["missing"]}
+            if len(staging):
+                staged = conn.call("stage", keys=[keys[int(i)] for i in staging])
+                staged_missing = {int(staging[i]) for i in staged["missing"]}
             base = int(landing.ctypes.data)
             dram_base = int(peer.info["dram_base"])
             for layer in range(L):
                 local, remote, lengths = _pieces(
-                    base + (layer * n) * P, P, dram, dram_base + offsets[dram] + layer * P,
-                    ssd, (int(staged["address"]) + layer * len(ssd) * P) if staged else 0,
+                    base + (layer * n) * P, P, direct, dram_base + offsets[direct] + layer * P,
+                    staging, (int(staged["address"]) + layer * len(staging) * P) if staged else 0,
                 )  # fmt: skip
                 if not transfer.read(str(peer.info["transfer"]), local, remote, lengths, self.timeout_s):
                     raise ConnectionError(f"transfer of layer {layer} from {peer.info['transfer']} failed")
@@ -251,6 +281,14 @@ class Cluster:
                 if staged is not None:
                     conn.call("unstage", id=int(staged["handle"]))
                 conn.call("release", id=int(lease["id"]))
+
+    def _staged(self, on_ssd: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+        """Which pages the peer's agent stages (the rest are read one-sided from its DRAM pool). SSD pages
+        always: no transfer engine reads a peer's disk here. DRAM pages too over TCP, where each range
+        costs a round of the engine's protocol and a page-layer is one range: staged, a chunk is one range
+        per layer (bench remote measures both side by side: docs/benchmarks.md). Over RDMA the NIC reads
+        page-layers one-sided without the peer's CPU, as FC-GVA intends."""
+        return np.ones_like(on_ssd) if self.stage_dram else on_ssd
 
     def close(self) -> None:
         self._ask.shutdown(wait=False, cancel_futures=True)

@@ -61,8 +61,11 @@ def run(config: EngineConfig) -> None:
         if config.cluster.cache:
             from flatcake.kube import Kube
 
+            cross_node = bool(config.cluster.listen)
             reporter = R.NodeReporter(config, node, config.node_id, agent.catalog.table.usage,
-                                      lambda: agent.ready, Kube.from_environment(R.USER_AGENT))  # fmt: skip
+                                      lambda: agent.ready, Kube.from_environment(R.USER_AGENT),
+                                      peer=lambda: agent.peer_address,
+                                      on_peers=agent.set_discovered_peers if cross_node else None)  # fmt: skip
             reporter.start()
         asyncio.run(agent.serve())
     finally:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from flatcake.errors import CapacityError
+from flatcake.errors import CapacityError, ConfigError
 from flatcake.node_agent.config import EngineConfig, host_port
 from flatcake.node_agent.constants import ALIGN
 from flatcake.node_agent.datapath.buffers import aligned_empty
@@ -78,6 +78,9 @@ class PeerService:
         c = config.cluster
         where = host_port(c.listen)
         assert where is not None  # EngineConfig checked it
+        if where[0] in ("0.0.0.0", "::", ""):
+            raise ConfigError(f"cluster.listen: {c.listen!r}: peers need an address to reach this agent at; give "
+                              "the node's or pod's IP (agent serve --listen-host $(POD_IP))")  # fmt: skip
         self.config = config
         self.transfer = Transfer(where[0], c.transfer_protocol, c.transfer_device)
         self.dram = dram

@@ -113,6 +113,7 @@ class Agent:
         self._compactor: threading.Thread | None = None
         self.peers: PeerService | None = None  # serving other nodes (cluster.listen), made by serve
         self.peer_address = ""  # host:port the peer service listens on, once bound
+        self.discovered_peers: tuple[str, ...] = ()  # other nodes' agents, from their FlatCakeNodes
 
     def _shared_index(self, max_pages: int) -> SharedIndexWriter | None:
         """The shared-memory index clients look keys up in (catalog/shared_index.py), next to the DRAM
@@ -266,6 +267,15 @@ class Agent:
         handle = _owned(session.staged, P.int_arg(args, "id"), "staging region")
         session.staged.discard(handle)
         self._peer_service("unstage").staging.give(handle)
+
+    def op_peers(self, session: Session, args: dict[str, Any]) -> list[str]:
+        """The other nodes' agents this node's clients may read from: configured and discovered."""
+        return sorted((set(self.config.cluster.peers) | set(self.discovered_peers)) - {self.peer_address})
+
+    def set_discovered_peers(self, peers: list[str]) -> None:
+        if tuple(peers) != self.discovered_peers:
+            log.info("peers: %s", ", ".join(peers) or "none")
+        self.discovered_peers = tuple(peers)
 
     def _peer_service(self, op: str) -> PeerService:
         if self.peers is None:

@@ -163,7 +163,8 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         self.raw_bytes = sample.numel() * sample.element_size() // self.layers
         self.page_bytes = round_up(self.raw_bytes)
         self.engine = connect(self.socket, layers=self.layers, page_bytes=self.page_bytes)
-        if self.engine.config.cluster.peers:  # KV pages this node lacks may come from another node's agent
+        cluster = self.engine.config.cluster
+        if cluster.peers or cluster.listen:  # KV pages this node lacks may come from another node's agent
             self.cluster = Cluster(self.engine)
         self.target = self._host_target(pool)
         log.info("FlatCake storage: restores %s", "land in the host pool in place" if self.target else

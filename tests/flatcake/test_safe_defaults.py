@@ -53,6 +53,10 @@ def test_agent_http_is_on_loopback_unless_configured(tmp_path: Path, capsys: pyt
     # In a pod, "$(POD_IP)" reaches the agent unexpanded when the env lacks POD_IP: said plainly.
     assert main(["agent", "serve", "--config", str(path), "--metrics-host", "$(POD_IP)"]) == ConfigError.exit_code
     assert "--metrics-host: '$(POD_IP)' is not an IP address" in capsys.readouterr().err
+    # Nothing listens for other nodes unless configured; --listen-host without cluster.listen is refused.
+    assert AgentConfig().socket and not EngineConfig().cluster.listen
+    assert main(["agent", "serve", "--config", str(path), "--listen-host", "10.0.0.1"]) == ConfigError.exit_code
+    assert "--listen-host: the configuration has no cluster.listen" in capsys.readouterr().err
 
 
 @pytest.mark.unit

@@ -351,6 +351,7 @@ def test_rendered_objects_validate_against_kubernetes_schemas() -> None:
         {"ssd": {"directory": "/data"}, "dram": {"hugepageSize": "none"}},
         {"dram": {"hugepageSize": "1Gi", "size": "2Gi"}, "prepare": {"restartKubelet": True}},
         {"pod": POD_OPTIONS},
+        {"crossNode": {"enabled": True, "port": 7600, "transferProtocol": "rdma", "transferDevice": "mlx5_0"}},
     ):
         parsed = parse_spec(spec(**over))
         config = render.engine_config(parsed, CACHE)
@@ -655,3 +656,21 @@ def test_a_pod_naming_an_absent_or_degraded_cache_is_refused_naming_the_fix() ->
     assert degraded is not None and "Degraded (spec.kv.layers: ...)" in degraded
     assert inject.refusal("kv", "main", {"status": {"phase": "Progressing"}}) is None  # the affinity waits for it
     assert inject.refusal("kv", "", None) is not None
+
+
+@pytest.mark.unit
+def test_cross_node_reads_are_rendered_into_the_agents() -> None:
+    """spec.crossNode: every agent serves other nodes at its pod IP on the port, with the transfer engine's
+    transport; off (the default) nothing listens."""
+    off = parse_spec(spec())
+    assert "listen" not in render.engine_config(off, CACHE)["cluster"]
+    agent = render.daemon_set(off, CACHE, render.engine_config(off, CACHE))["spec"]["template"]["spec"]["containers"][0]
+    assert "--listen-host" not in agent["command"] and [p["name"] for p in agent["ports"]] == ["metrics"]
+    on = parse_spec(spec(crossNode={"enabled": True, "port": 7600, "transferProtocol": "rdma"}))
+    config = render.engine_config(on, CACHE)
+    engine = EngineConfig.from_dict(config)  # the agent accepts it
+    assert (engine.cluster.listen, engine.cluster.transfer_protocol) == ("0.0.0.0:7600", "rdma")
+    agent = render.daemon_set(on, CACHE, config)["spec"]["template"]["spec"]["containers"][0]
+    i = agent["command"].index("--listen-host")
+    assert agent["command"][i + 1] == "$(POD_IP)" and {"name": "POD_IP"}.items() <= agent["env"][-1].items()
+    assert {"name": "peers", "containerPort": 7600, "protocol": "TCP"} in agent["ports"]

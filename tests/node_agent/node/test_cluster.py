@@ -89,6 +89,11 @@ class _RecordingKube:
         self.objects[name] |= body
         return self.objects[name]
 
+    def list(self, res: Any, namespace: str, selector: dict[str, str] | None = None) -> list[Any]:
+        labels = selector or {}
+        return [o for o in self.objects.values()
+                if all(o["metadata"].get("labels", {}).get(k) == v for k, v in labels.items())]  # fmt: skip
+
 
 def test_reporter_writes_on_change_and_as_a_heartbeat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     c = dataclasses.replace(
@@ -108,3 +113,30 @@ def test_reporter_writes_on_change_and_as_a_heartbeat(tmp_path: Path, monkeypatc
     clock = time.monotonic() + R.HEARTBEAT_INTERVALS * 10
     monkeypatch.setattr(R.time, "monotonic", lambda: clock)
     assert reporter.report_once() and kube.patches == 5  # unchanged, but the heartbeat is due
+
+
+def test_agents_serving_other_nodes_report_where_and_learn_each_other(tmp_path: Path) -> None:
+    """spec.crossNode: each agent writes status.peer; the others' ready peers of the same cache are its
+    peers (clients ask their agent: op ``peers``)."""
+    c = dataclasses.replace(small_config(tmp_path), cluster=ClusterConfig(cache="main", namespace="kv",
+                                                                          listen="10.0.0.1:7471"))  # fmt: skip
+    usage = {"dram": {"capacity_bytes": 8, "used_bytes": 0}, "ssd": {"capacity_bytes": 8, "used_bytes": 0}}
+    kube = _RecordingKube()
+    found: list[list[str]] = []
+    for node, ip, ready, cache in (("node-b", "10.0.0.2", True, "main"), ("node-c", "10.0.0.3", False, "main"),
+                                   ("node-d", "10.0.0.4", True, "other"), ("node-e", "", True, "main")):  # fmt: skip
+        other = dataclasses.replace(c, cluster=dataclasses.replace(c.cluster, cache=cache))
+        kube.create(None, R.node_object(other, node))
+        kube.objects[f"{cache}-{node}"]["status"] = {"ready": ready, "peer": f"{ip}:7471" if ip else ""}
+    reporter = R.NodeReporter(c, "node-a", 1, lambda: usage, lambda: True, kube, filesystem_bytes=lambda: 1,
+                              peer=lambda: "10.0.0.1:7471", on_peers=found.append)  # fmt: skip
+    assert reporter.report_once()
+    assert kube.objects["main-node-a"]["status"]["peer"] == "10.0.0.1:7471"
+    # Itself, a node not ready, another cache's node and one that serves no peers are left out.
+    assert reporter.discover_once() == ["10.0.0.2:7471"] and found == [["10.0.0.2:7471"]]
+    agent = Agent(dataclasses.replace(c, cluster=dataclasses.replace(c.cluster, listen="", peers=("10.0.0.9:7471",))))
+    try:
+        agent.set_discovered_peers(found[-1])
+        assert agent.op_peers(None, {}) == ["10.0.0.2:7471", "10.0.0.9:7471"]  # type: ignore[arg-type]
+    finally:
+        agent.close()

@@ -57,13 +57,17 @@ def two_nodes(tmp_path: Path) -> Iterator[dict[str, Any]]:
         p.wait()
 
 
-def test_a_session_written_on_one_node_is_restored_on_another_bit_exact(two_nodes: dict[str, Any]) -> None:
+@pytest.mark.parametrize("one_sided", [False, True], ids=["staged", "one-sided-dram"])
+def test_a_session_written_on_one_node_is_restored_on_another_bit_exact(two_nodes: dict[str, Any],
+                                                                         one_sided: bool) -> None:  # fmt: skip
+    """Over TCP the peer stages every page (one range per layer); over RDMA DRAM pages are read one-sided
+    from its pool (forced here: the same transfer engine path, on TCP)."""
     writer = connect(two_nodes["a"].agent.socket)
     shared, session = pages(20, 1), pages(30, 2)
     keys = [f"p{i}" for i in range(50)]
     assert writer.put(keys[:20], shared, SHARED).medium.name == "DRAM"
     assert writer.put(keys[20:], session, Hints(context_tokens=100_000, parent_key=keys[19])).medium.name == "SSD"
-    reader = Cluster(connect(two_nodes["b"].agent.socket))
+    reader = Cluster(connect(two_nodes["b"].agent.socket), stage_dram=not one_sided)
     try:
         assert reader.engine.exists(keys) == 0 and reader.exists(keys) == 50  # none local, all on A
         assert reader.exists([*keys, "unknown"]) == 50
@@ -163,6 +167,28 @@ def test_a_peer_killed_mid_restore_gives_misses_within_the_timeout(two_nodes: di
     again = aligned_empty((LAYERS, 10, PAGE))
     assert reader.restore(keys[:10], again) == set() and np.array_equal(again, kv[:, :10])
     reader.close()
+
+
+def test_clients_take_their_peers_from_their_agent(two_nodes: dict[str, Any], tmp_path: Path) -> None:
+    """With no peer list of its own, a Cluster asks this node's agent (op ``peers``: configured, and found
+    in the other agents' FlatCakeNodes), again every refresh_s: a peer that comes or goes is followed."""
+    from tests.support.agents import AgentThread
+
+    writer = connect(two_nodes["a"].agent.socket)
+    writer.put(["d0", "d1"], pages(2, 5), SHARED)
+    node = AgentThread(config(tmp_path / "c", 3, ClusterConfig(staging_bytes=8 * LAYERS * PAGE)))
+    reader = Cluster(connect(node.socket))
+    try:
+        assert reader.exists(["d0", "d1"]) == 0 and reader.peers == []
+        node.agent.set_discovered_peers([two_nodes["listen"]])  # what the FlatCakeNode reporter finds
+        reader.refresh_s = 0.0
+        assert reader.exists(["d0", "d1"]) == 2 and [p.address for p in reader.peers] == [two_nodes["listen"]]
+        node.agent.set_discovered_peers([])
+        assert reader.exists(["d0", "d1"]) == 0 and reader.peers == []
+    finally:
+        reader.close()
+        node.stop()
+        writer.close()
 
 
 def test_cluster_settings_are_checked_naming_the_field(tmp_path: Path) -> None:
