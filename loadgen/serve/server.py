@@ -158,7 +158,123 @@ class ServerError(RuntimeError):
     """The server did not start, died, or refused a request; the message ends with its log's tail."""
 
 
-class SGLangServer:
+class ServerProcess:
+    """A serving engine's server as a child process group: started, waited for until its health endpoint
+    answers (while its log grows), asked over HTTP, stopped. Subclasses give the command and environment."""
+
+    NAME = "server"
+    HEALTH = "/health"
+
+    def __init__(self, model_dir: Path, *, workdir: Path, port: int | None, extra_args: Sequence[str],
+                 env: Mapping[str, str] | None, python: Path, start_timeout_s: float,
+                 stall_timeout_s: float) -> None:  # fmt: skip
+        self.model_dir = Path(model_dir)
+        self.workdir = Path(workdir)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.python = Path(python)
+        self.start_timeout_s = start_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.log_path = self.workdir / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start_seconds = 0.0
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """Folders the server needs before it starts."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> Self:
+        self.prepare()
+        started = time.monotonic()
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(self.command(), cwd=self.workdir, env=self.environment(), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            self._wait_ready(started)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.monotonic() - started
+        return self
+
+    def _wait_ready(self, started: float) -> None:
+        """Poll the health endpoint while the log grows; give up when it stalls or the process exits."""
+        size, progressed = -1, time.monotonic()
+        while True:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise ServerError(f"the {self.NAME} server exited with {self.proc.returncode}\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + self.HEALTH, timeout=30) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            now = time.monotonic()
+            grown = self.log_path.stat().st_size if self.log_path.exists() else 0
+            if grown != size:
+                size, progressed = grown, now
+            if now - progressed > self.stall_timeout_s or now - started > self.start_timeout_s:
+                raise ServerError(f"the {self.NAME} server was not ready after {now - started:.0f} s (log silent "
+                                  f"for {now - progressed:.0f} s)\n{self.log_tail()}")  # fmt: skip
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group (its engine's processes too), SIGKILL after 30 s."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError):  # children that outlived the leader
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the server's processes (its process group) have used so far."""
+        return cpu_seconds(group_pids(self.proc.pid)) if self.proc is not None else 0.0
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def log_tail(self, lines: int = 60) -> str:
+        if not self.log_path.exists():
+            return "(no server log)"
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(["--- server log tail:", *text[-lines:]])
+
+    def _request(self, path: str, body: Mapping[str, Any] | None = None, timeout_s: float = 600.0) -> bytes:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST",
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+                payload: bytes = reply.read()
+                return payload
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            raise ServerError(f"{path}: HTTP {exc.code}: {detail}\n{self.log_tail(20)}") from None
+
+
+class SGLangServer(ServerProcess):
     """``python -m sglang.launch_server`` on the CPU with HiCache and an L3 backend; see the module doc.
 
     ``storage_backend``: ``"file"`` (SGLang's HiCacheFile, in ``file_dir``, default ``workdir/hicache``),
@@ -170,6 +286,9 @@ class SGLangServer:
     ``prefetch_policy`` ``wait_complete`` makes an L3 hit whole however slow the restore (SGLang's
     default, ``timeout``, may cut it short).
     """
+
+    NAME = "SGLang"
+    HEALTH = "/health_generate"
 
     def __init__(
         self,
@@ -193,10 +312,9 @@ class SGLangServer:
     ) -> None:
         if mem_layout not in LAYOUTS:
             raise ValueError(f"mem_layout {mem_layout!r}: one of {LAYOUTS}")
-        self.model_dir = Path(model_dir)
-        self.workdir = Path(workdir)
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(model_dir, workdir=workdir, port=port, extra_args=extra_args, env=env,
+                         python=Path(python) if python else server_python(), start_timeout_s=start_timeout_s,
+                         stall_timeout_s=stall_timeout_s)  # fmt: skip
         self.mem_layout = mem_layout
         self.storage_backend = storage_backend
         self.storage_config = dict(storage_config or {})
@@ -205,14 +323,6 @@ class SGLangServer:
         self.max_total_tokens = max_total_tokens
         self.hicache_ratio = hicache_ratio
         self.prefetch_policy = prefetch_policy
-        self.extra_args = list(extra_args)
-        self.extra_env = dict(env or {})
-        self.python = Path(python) if python else server_python()
-        self.start_timeout_s = start_timeout_s
-        self.stall_timeout_s = stall_timeout_s
-        self.log_path = self.workdir / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start_seconds = 0.0
 
     # --- process ------------------------------------------------------------------------------------
 
@@ -247,90 +357,11 @@ class SGLangServer:
         env.update(self.extra_env)
         return env
 
-    def start(self) -> Self:
-        self.workdir.mkdir(parents=True, exist_ok=True)
+    def prepare(self) -> None:
+        super().prepare()
         self.file_dir.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(self.command(), cwd=self.workdir, env=self.environment(), stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        try:
-            self._wait_ready(started)
-        except BaseException:
-            self.stop()
-            raise
-        self.start_seconds = time.monotonic() - started
-        return self
-
-    def _wait_ready(self, started: float) -> None:
-        """Poll ``/health_generate`` while the log grows; give up when it stalls or the process exits."""
-        size, progressed = -1, time.monotonic()
-        while True:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise ServerError(f"the SGLang server exited with {self.proc.returncode}\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            now = time.monotonic()
-            grown = self.log_path.stat().st_size if self.log_path.exists() else 0
-            if grown != size:
-                size, progressed = grown, now
-            if now - progressed > self.stall_timeout_s or now - started > self.start_timeout_s:
-                raise ServerError(f"the SGLang server was not ready after {now - started:.0f} s (log silent "
-                                  f"for {now - progressed:.0f} s)\n{self.log_tail()}")  # fmt: skip
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        """SIGTERM to the server's process group (the scheduler and detokenizer too), SIGKILL after 30 s."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        with contextlib.suppress(ProcessLookupError):  # children that outlived the leader
-            os.killpg(proc.pid, signal.SIGKILL)
-
-    def cpu_seconds(self) -> float:
-        """CPU seconds the server's processes (its process group) have used so far."""
-        return cpu_seconds(group_pids(self.proc.pid)) if self.proc is not None else 0.0
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
-
-    def log_tail(self, lines: int = 60) -> str:
-        if not self.log_path.exists():
-            return "(no server log)"
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(["--- server log tail:", *text[-lines:]])
 
     # --- requests -----------------------------------------------------------------------------------
-
-    def _request(self, path: str, body: Mapping[str, Any] | None = None, timeout_s: float = 600.0) -> bytes:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST",
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-                payload: bytes = reply.read()
-                return payload
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")
-            raise ServerError(f"{path}: HTTP {exc.code}: {detail}\n{self.log_tail(20)}") from None
 
     def generate(
         self,

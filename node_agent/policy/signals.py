@@ -175,9 +175,11 @@ class ChainSignals:
         self.observe(prefix, keys)
         return self.derive(prefix, keys, page_tokens)
 
-    def record(self, keys: Sequence[Key], runs: Sequence[Run]) -> None:
-        """Remember the sessions of pages just written (the last page of a full batch stays open)."""
-        full = len(keys) == STORAGE_BATCH_SIZE
+    def record(self, keys: Sequence[Key], runs: Sequence[Run], open_turn: bool | None = None) -> None:
+        """Remember the sessions of pages just written. The last page stays open (its turn goes on in the next
+        write) when ``open_turn`` says so, or by default when the write was one full SGLang batch (vLLM's
+        connector knows: a prompt prefilled in chunks)."""
+        full = len(keys) == STORAGE_BATCH_SIZE if open_turn is None else open_turn
         with self._lock:
             for run in runs:
                 for i in range(run.start, run.stop):

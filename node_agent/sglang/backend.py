@@ -38,9 +38,7 @@ looked up on this node only.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,7 +55,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from flatcake.errors import ConfigError, FlatCakeError
+from flatcake.errors import FlatCakeError
 from flatcake.node_agent.datapath.buffers import aligned_empty, round_up
 from flatcake.node_agent.datapath.engine import Engine
 from flatcake.node_agent.datapath.target import PagedTarget
@@ -65,6 +63,7 @@ from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.policy.signals import ChainSignals, Run
 from flatcake.node_agent.service.client import connect
 from flatcake.node_agent.service.cluster import Cluster
+from flatcake.node_agent.service.hints import deployment_hints, run_hints
 
 log = logging.getLogger(__name__)
 
@@ -85,39 +84,7 @@ LAYER_AXIS: dict[tuple[bool, str], int] = {
 # recomputes: a full pool, a page reclaimed meanwhile, a failed write, an agent that went away. Anything
 # else (a wrong shape, a bad argument) is a bug and propagates rather than hiding as a miss.
 STORAGE_FAULTS = (FlatCakeError, ConnectionError, TimeoutError)
-HINT_FIELDS = ("prefix_refcount", "turn", "prev_reply_tokens", "context_tokens", "reply_tokens")
-# What a request may pass: Table 2's fields, and ``expected_reuse`` (how many requests will read the
-# pages: a floor on ``prefix_refcount``, so the shared-prompt rule can fire before SGLang shows it).
-REQUEST_FIELDS = (*HINT_FIELDS, "expected_reuse")
-# What a deployment may set for every request: only what a key chain cannot tell.
-DEPLOYMENT_FIELDS = ("reply_tokens", "expected_reuse")
-HINTS_ENV = "FLATCAKE_SGLANG_HINTS"
 KV = PoolName.KV.value
-
-
-def deployment_hints(extra: dict[str, Any]) -> dict[str, int]:
-    """``placement_hints`` from the storage extra config, overridden field by field by the JSON object in
-    ``$FLATCAKE_SGLANG_HINTS`` (for deployments that cannot change SGLang's launch arguments)."""
-    merged: dict[str, Any] = {}
-    sources: list[tuple[str, Any]] = [("placement_hints", extra.get("placement_hints") or {})]
-    if os.environ.get(HINTS_ENV):
-        try:
-            sources.append((HINTS_ENV, json.loads(os.environ[HINTS_ENV])))
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{HINTS_ENV}: not JSON ({exc}); set it to an object like "
-                              '{"reply_tokens": 4096}') from None  # fmt: skip
-    for where, given in sources:
-        if not isinstance(given, dict):
-            raise ConfigError(f'{where}: {given!r} must be an object like {{"reply_tokens": 4096}}')
-        unknown = sorted(set(given) - set(DEPLOYMENT_FIELDS))
-        if unknown:
-            raise ConfigError(f"{where}: unknown field(s) {unknown}; a deployment sets only {list(DEPLOYMENT_FIELDS)} "
-                              "(the rest is derived from SGLang's prefix keys)")  # fmt: skip
-        for k, v in given.items():
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"{where}.{k}: {v!r} must be a non-negative integer")
-        merged.update(given)
-    return merged
 
 
 class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
@@ -229,21 +196,8 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _hints(self, run: Run, extra_info: HiCacheStorageExtraInfo | None, namer: Any) -> Hints:
         """Table 2's hints for one run: derived fields, then the deployment's, then the request's."""
-        fields: dict[str, Any] = {k: v for k, v in run.fields.items() if k != "parent_key"}
-        parent = run.fields.get("parent_key")
-        fields["parent_key"] = namer(parent) if parent is not None else None
         passed = (extra_info.extra_info or {}) if extra_info is not None else {}
-        given = {**self.defaults, **{k: passed[k] for k in REQUEST_FIELDS if k in passed}}
-        reuse = given.pop("expected_reuse", None)
-        fields.update(given)
-        if reuse is not None:
-            if not isinstance(reuse, int) or isinstance(reuse, bool):
-                raise ConfigError(f"extra_info.extra_info.expected_reuse: {reuse!r} must be a non-negative integer")
-            fields["prefix_refcount"] = max(int(fields.get("prefix_refcount", 1)), reuse)
-        try:
-            return Hints.from_dict(fields)
-        except ValueError as exc:  # hints a request passed: its data, not our bug; the put fails, named
-            raise ConfigError(f"extra_info.extra_info: {exc}") from None
+        return run_hints(run, self.defaults, passed, namer, "extra_info.extra_info")
 
     # ---- page conversion -------------------------------------------------------------------------
     def _layer_major(self, page: torch.Tensor) -> npt.NDArray[np.uint8]:

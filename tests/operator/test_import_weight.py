@@ -46,7 +46,7 @@ def test_the_face_is_what_a_user_programs_against() -> None:
 
     user = {"AgentConfig", "DramConfig", "EngineConfig", "IOConfig", "PlacementConfig", "SsdConfig", "Engine",
             "PutResult", "Restore", "HostRestore", "connect", "AgentConnection", "spawn", "Hints", "Key",
-            "ChainSignals", "aligned_empty", "ThreadBuffers"}  # fmt: skip
+            "ChainSignals", "Cluster", "aligned_empty", "ThreadBuffers"}  # fmt: skip
     error_names = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.FlatCakeError)}
     assert set(face.__all__) - error_names == user
     for internal in ("ScopeTable", "Scheduler", "plan_restore", "decide", "LocalCatalog", "protocol"):

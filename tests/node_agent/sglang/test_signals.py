@@ -12,7 +12,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
 from flatcake.errors import ConfigError
 from flatcake.node_agent.policy.signals import STORAGE_BATCH_SIZE, ChainSignals
-from flatcake.node_agent.sglang.backend import HINTS_ENV, FlatCakeStorage, deployment_hints
+from flatcake.node_agent.service.hints import HINTS_ENV, deployment_hints
+from flatcake.node_agent.sglang.backend import FlatCakeStorage
 from tests.node_agent.sglang.test_backend import DIM, HEADS, LAYERS, PAGE, HostPool, make_backend
 from tests.support.agents import AgentThread
 

