@@ -225,9 +225,11 @@ def run_vllm_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace
     probe = [random.Random(99).randrange(3, vocab) for _ in range(cfg.probe_tokens)]
     with storage_for(system, cfg, where, layout) as backend:
         agent, helpers = backend.agent, backend.pids
-        blocks = max(1, cfg.device_tokens // VLLM_BLOCK)  # the same KV capacity as SGLang's device pool
+        # SGLang's device pool, as blocks; one more, as vLLM wants a whole max_model_len sequence to fit.
+        blocks = -(-cfg.device_tokens // VLLM_BLOCK) + 1
         server = VLLMServer(model, workdir=where / "vllm", socket=agent.agent.socket if agent else None,
-                            block_size=VLLM_BLOCK, extra_args=["--num-gpu-blocks-override", str(blocks)])  # fmt: skip
+                            block_size=VLLM_BLOCK, max_model_len=(blocks - 1) * VLLM_BLOCK,
+                            extra_args=["--num-gpu-blocks-override", str(blocks)])  # fmt: skip
         with server:
             log(f"  {system} (vLLM) at {qps:g} QPS: server ready in {server.start_seconds:.0f} s, replaying ...")
             cold = server.complete(probe)
