@@ -42,3 +42,14 @@ def test_names_are_unique_and_spelled_one_way() -> None:
     assert len(all_names) == len(set(all_names))
     assert all(n == n.lower() and "_" not in n for n in all_names)
     assert not set(names.ALIASES) & set(all_names) and set(names.ALIASES.values()) <= set(all_names)
+
+
+def test_bench_serve_takes_the_systems_of_its_engine() -> None:
+    from flatcake.loadgen.bench import serve
+
+    assert names.names("serve-vllm") == ("flatcake", "vllm")
+    assert serve.ServeConfig(engine="vllm", systems=names.names("serve-vllm")).engine == "vllm"
+    with pytest.raises(ConfigError, match="'hicache-file' is not a system of serve-vllm"):
+        serve.ServeConfig(engine="vllm", systems=("hicache-file",))
+    with pytest.raises(ValueError, match="engine: 'tgi' must be one of sglang, vllm"):
+        serve.ServeConfig(engine="tgi")
