@@ -46,6 +46,16 @@ dynamic backend to load, its batch interface, and prefix keys passed (the placem
 passes them only for a JSON true)."""
 
 
+VLLM_CONNECTOR = {
+    "kv_connector": "FlatCakeConnector",
+    "kv_connector_module_path": "flatcake.node_agent.vllm",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+"""vLLM's ``--kv-transfer-config`` for FlatCake's connector, less ``kv_connector_extra_config`` (its
+``socket``): the connector to load, both roles, and a block FlatCake cannot deliver computed instead."""
+
+
 def watermark_problem(low: float, high: float) -> str | None:
     """Why a pair of SSD reclaim watermarks is invalid, or None: reclaim starts above ``high`` and
     frees whole scopes until usage is at most ``low``, so ``0 < low <= high <= 1``."""

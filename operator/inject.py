@@ -7,9 +7,10 @@ node agent, which users otherwise wired by hand:
 - the host paths the backend uses, at the same paths: the agent's run directory (its socket and the
   shared DRAM pool file), the pool directory (the backend reads the pool files itself), and the
   hugetlbfs mount when the DRAM pool is in hugepages;
-- ``FLATCAKE_SOCKET`` and ``FLATCAKE_HICACHE_EXTRA_CONFIG`` (the JSON SGLang's
+- ``FLATCAKE_SOCKET``, ``FLATCAKE_HICACHE_EXTRA_CONFIG`` (the JSON SGLang's
   ``--hicache-storage-backend-extra-config`` takes; Kubernetes expands ``$(FLATCAKE_HICACHE_EXTRA_CONFIG)``
-  in a container's args) in every container;
+  in a container's args) and ``FLATCAKE_VLLM_KV_TRANSFER_CONFIG`` (vLLM's ``--kv-transfer-config`` for
+  FlatCake's connector) in every container;
 - a required node-affinity term on the operator's ready label, so the pod runs only where the cache's
   agent is ready (ANDed into every existing required term);
 - ``supplementalGroups`` with ``spec.access.gid``, where the cache gives its files a group.
@@ -57,7 +58,8 @@ def mutate(pod: Mapping[str, Any], wiring: Mapping[str, Any]) -> dict[str, Any]:
     """The pod's ``spec`` with the cache's wiring added (a copy; the pod is not changed).
 
     ``wiring``: ``run_dir``, ``pool_root``, ``hugetlbfs_dir`` (or None), ``socket``, ``extra_config``
-    (the backend's extra config, a mapping), ``ready_label`` and ``gid`` (or None), from the cache's
+    (SGLang's backend extra config), ``vllm_config`` (vLLM's kv-transfer config), ``ready_label`` and
+    ``gid`` (or None), from the cache's
     rendered configuration (operator/render.py ``pod_wiring``)."""
     spec = copy.deepcopy(dict(pod.get("spec") or {}))
     paths = {"run": wiring["run_dir"], "pool": wiring["pool_root"]}
@@ -69,7 +71,8 @@ def mutate(pod: Mapping[str, Any], wiring: Mapping[str, Any]) -> dict[str, Any]:
         if PREFIX + short not in have:
             volumes.append({"name": PREFIX + short, "hostPath": {"path": path, "type": "Directory"}})
     env = {"FLATCAKE_SOCKET": wiring["socket"],
-           "FLATCAKE_HICACHE_EXTRA_CONFIG": json.dumps(dict(wiring["extra_config"]), sort_keys=True)}  # fmt: skip
+           "FLATCAKE_HICACHE_EXTRA_CONFIG": json.dumps(dict(wiring["extra_config"]), sort_keys=True),
+           "FLATCAKE_VLLM_KV_TRANSFER_CONFIG": json.dumps(dict(wiring["vllm_config"]), sort_keys=True)}  # fmt: skip
     for container in spec.get("containers") or []:
         mounts = container.setdefault("volumeMounts", [])
         mounted = {m.get("mountPath") for m in mounts} | {m.get("name") for m in mounts}

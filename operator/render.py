@@ -13,7 +13,7 @@ from typing import Any
 
 from flatcake.errors import ConfigError
 from flatcake.node_agent.config import EngineConfig
-from flatcake.node_agent.constants import HUGETLBFS_MOUNTS, SGLANG_BACKEND
+from flatcake.node_agent.constants import HUGETLBFS_MOUNTS, SGLANG_BACKEND, VLLM_CONNECTOR
 from flatcake.operator.spec import (
     CONFIG_HASH_ANNOTATION,
     GROUP,
@@ -279,6 +279,7 @@ def pod_wiring(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
         "hugetlbfs_dir": HUGETLBFS_MOUNTS.get(spec.hugepage_size),
         "socket": socket,
         "extra_config": {**SGLANG_BACKEND, "socket": socket},
+        "vllm_config": {**VLLM_CONNECTOR, "kv_connector_extra_config": {"socket": socket}},
         "ready_label": ready_label(cache),
         "gid": spec.access_gid,
     }

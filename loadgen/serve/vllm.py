@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from flatcake.loadgen.serve.server import DETERMINISTIC_ENV, ROOT, ServerProcess, flatcake_import_root
+from flatcake.node_agent.constants import VLLM_CONNECTOR
 
 PYTHON_ENV = "FLATCAKE_VLLM_PYTHON"
 SERVED_NAME = "flatcake"  # the model name requests give (the load generator's)
@@ -35,10 +36,7 @@ def server_python() -> Path:
 
 def kv_transfer_config(socket: str) -> dict[str, Any]:
     """``--kv-transfer-config`` for FlatCake's connector on the agent at ``socket``."""
-    extra: dict[str, Any] = {"socket": socket}
-    return {"kv_connector": "FlatCakeConnector", "kv_connector_module_path": "flatcake.node_agent.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra}  # fmt: skip
+    return {**VLLM_CONNECTOR, "kv_connector_extra_config": {"socket": socket}}
 
 
 @dataclass(frozen=True)

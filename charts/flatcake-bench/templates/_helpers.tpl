@@ -49,16 +49,18 @@ imagePullSecrets:
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
-{{/* The endpoint under test: the given URL, else this release's SGLang or emulator Service. */}}
+{{/* The endpoint under test: the given URL, else this release's SGLang, vLLM or emulator Service. */}}
 {{- define "bench.target" -}}
 {{- if .Values.target.url -}}
 {{ .Values.target.url }}
 {{- else if .Values.sglang.enabled -}}
 http://{{ include "bench.fullname" . }}-sglang:{{ .Values.sglang.port }}
+{{- else if .Values.vllm.enabled -}}
+http://{{ include "bench.fullname" . }}-vllm:{{ .Values.vllm.port }}
 {{- else if .Values.emulator.enabled -}}
 http://{{ include "bench.fullname" . }}-emulator:{{ .Values.emulator.port }}
 {{- else -}}
-{{ fail "target.url: set the endpoint to measure, or enable emulator or sglang in this release" }}
+{{ fail "target.url: set the endpoint to measure, or enable emulator, sglang or vllm in this release" }}
 {{- end -}}
 {{- end -}}
 
