@@ -246,7 +246,7 @@ def _simulate(args: argparse.Namespace) -> int:
     sizes = {"dram_bytes": ("--dram", args.dram), "ssd_bytes": ("--ssd", args.ssd), "hbm_bytes": ("--hbm", args.hbm)}
     given: dict[str, object] = {k: sim.parse_size(text, flag) for k, (flag, text) in sizes.items() if text is not None}
     fields = ("trace", "limit", "nodes", "gpus_per_node", "model", "gpu", "qps", "systems", "device", "scheduler",
-              "prefetch_policy", "workers")  # fmt: skip
+              "prefetch_policy", "workers", "cross_node_gbps")  # fmt: skip
     given.update({n: getattr(args, n) for n in fields if getattr(args, n) is not None})
     if "systems" in given:
         given["systems"] = names.resolve("simulate", args.systems, "--systems")
@@ -569,6 +569,8 @@ def _add_simulate(sub: Subparsers) -> None:
     )
     simp.add_argument("--prefetch-policy", dest="prefetch_policy", help="tiered: timeout (default), best_effort, ...")
     simp.add_argument("--workers", type=int, help="processes for the sweep's points (default 2)")
+    simp.add_argument("--cross-node-gbps", type=float, dest="cross_node_gbps",
+                      help="FlatCake reads other nodes' pages over each node's NIC at this rate (default 0: off)")
     simp.add_argument("--json", metavar="PATH", help="write the results as JSON (default: OUT/simulate.json)")
     simp.add_argument("--out", help="where plots and JSON go")
     simp.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -64,6 +64,10 @@ class Cluster:
     prefetch_policy: str = hicache.DEFAULT_PREFETCH_POLICY
     bucket_bytes: int = 64 << 20  # tiered L3 log bucket (bench restore's)
     device_ranks: int = 1  # ranks sharing a node's devices (run.cluster: an instance's width by default)
+    # FlatCake across nodes (node_agent/service/cluster.py): a node's lookup goes on in the other nodes'
+    # catalogs, their pages fetched over each node's NIC at this rate (one rank's share); 0: off.
+    cross_node_bytes_per_s: float = 0.0
+    cross_node_latency_s: float = 20e-6  # per transfer: the lookup and lease round trips, the first byte
 
     @property
     def page_span(self) -> int:
@@ -79,7 +83,7 @@ class Record:
     prompt_tokens: int
     output_tokens: int
     pages: int
-    hit: dict[str, int] = field(default_factory=lambda: {"hbm": 0, "dram": 0, "ssd": 0})
+    hit: dict[str, int] = field(default_factory=lambda: {"hbm": 0, "dram": 0, "ssd": 0, "remote": 0})
     start: float = 0.0
     first_token: float = 0.0
     done: float = 0.0
@@ -98,6 +102,10 @@ class Job:
     ssd_keys: list[int] = field(default_factory=list)
     ssd_locs: list[Location] = field(default_factory=list)
     prefetched: set[int] = field(default_factory=set)  # prepared in host staging: copied in at dispatch
+    remote: set[int] = field(default_factory=set)  # FlatCake: of those, pages fetched from another node
+    remote_leases: list[tuple[int, int]] = field(default_factory=list)  # (node, lease id) on other nodes
+    remote_locs: list[Location] = field(default_factory=list)
+    remote_node: int = -1
     staged: int = 0  # tokens prepared (in flight) until the request is dispatched
     # tiered (SGLang HiCache)
     op: hicache.Prefetch | None = None
@@ -181,7 +189,7 @@ class System:
             if key in hbm:
                 hit["hbm"] += 1
             elif key in job.prefetched:
-                hit["ssd"] += 1
+                hit["remote" if key in job.remote else "ssd"] += 1
                 staged += 1
             else:
                 break
@@ -256,6 +264,11 @@ class FlatCake(System):
         self.placed_bytes = {Medium.DRAM: 0, Medium.SSD: 0}
         self.read_commands = 0
         self.read_bytes = 0
+        # Each node's NIC (one rank's share), receiving pages other nodes hold (cross_node_bytes_per_s).
+        rate = c.cross_node_bytes_per_s / c.device_ranks
+        self.nics = [Device(rate, c.cross_node_latency_s, 1) for _ in range(c.nodes)] if rate > 0 else []
+        self.remote_bytes = 0
+        self.remote_declined = 0  # continuations found on another node, cheaper to prefill than to fetch
 
     def arrive(self, req: SimRequest) -> None:
         job = self._admit(req)
@@ -271,11 +284,49 @@ class FlatCake(System):
                 if loc.gva >= SSD_THRESHOLD:
                     job.ssd_keys.append(key)
                     job.ssd_locs.append(loc)
-        r = Request(str(req.index), now, ssd_bytes=len(job.ssd_keys) * self.c.page_span)
+        if self.nics and n < len(rest):
+            self._find_remote(job, inst.node, rest[n:])
+        # FC-MAS: a request waits on its slowest medium; another node's pages count as the SSD's do.
+        slow = (len(job.ssd_keys) + len(job.remote)) * self.c.page_span
+        r = Request(str(req.index), now, ssd_bytes=slow)
         inst.jobs[r.id] = job
         inst.sched.arrive(r)
         self._pump_prefetch(inst)
         self.dispatch(inst)
+
+    def _find_remote(self, job: Job, node: int, keys: tuple[int, ...] | list[int]) -> None:
+        """Where this node's stored prefix ends, the longest continuation another node's catalog holds, as
+        ``Cluster.exists`` asks the peers: leased there (no reclaim under the fetch) until the job stores."""
+        best, hit = -1, 0
+        for other, catalog in enumerate(self.catalogs):
+            if other != node:
+                h = catalog.exists(keys)
+                if h > hit:
+                    best, hit = other, h
+        if not hit:
+            return
+        # Worth it only when moving the pages beats computing them: at TCP rates a GPU prefills a
+        # prompt sooner than the network brings its KV (the rule the real client needs too).
+        c = self.c
+        cached = len(job.req.keys) - len(keys)
+        fetch_s = c.cross_node_latency_s + hit * c.page_span * c.device_ranks / c.cross_node_bytes_per_s
+        if fetch_s >= c.prefill_s(hit * c.page_tokens, cached * c.page_tokens):
+            self.remote_declined += 1
+            return
+        lease = self.catalogs[best].acquire(keys[:hit])
+        job.remote_leases.append((best, lease.id))
+        job.remote.update(keys[:hit])
+        job.remote_node = best
+        job.remote_locs = [loc for loc in lease.locations if loc.gva >= SSD_THRESHOLD]
+
+    def _fetch_remote(self, inst: Instance, job: Job) -> float:
+        """The peer reads its SSD pages (FC-CIO), then every remote page crosses this node's NIC."""
+        if not job.remote:
+            return self.loop.now
+        peer_ready = self._read(job.remote_node, job.remote_locs) if job.remote_locs else self.loop.now
+        nbytes = len(job.remote) * self.c.page_span
+        self.remote_bytes += nbytes
+        return self.nics[inst.node].submit(max(self.loop.now, peer_ready), nbytes, 1)
 
     def _pump_prefetch(self, inst: Instance) -> None:
         """Start prefetches into host staging while streams are free and the prepared tokens stay below
@@ -288,13 +339,14 @@ class FlatCake(System):
             if r is None:
                 return
             job = inst.jobs[r.id]
-            job.staged = len(job.ssd_keys) * c.page_tokens
+            job.staged = (len(job.ssd_keys) + len(job.remote)) * c.page_tokens
             inst.staging_tokens += job.staged
-            done = self._read(inst, job.ssd_locs)
+            local = self._read(inst.node, job.ssd_locs) if job.ssd_locs else now
+            done = max(local, self._fetch_remote(inst, job))
             inst.active_prefetches += 1
             self.loop.at(done, self._prefetched, inst, r.id)
 
-    def _read(self, inst: Instance, locs: list[Location]) -> float:
+    def _read(self, node: int, locs: list[Location]) -> float:
         """Read SSD pages as the engine's restore plans them (the real ``plan_restore``); returns when done."""
         c = self.c
         gva = np.fromiter((loc.gva & OFFSET_MASK for loc in locs), np.int64, len(locs))
@@ -307,12 +359,13 @@ class FlatCake(System):
         self.read_commands += commands
         self.read_bytes += nbytes
         self.ssd_pages_read += len(locs)
-        return self.ssd[inst.node].submit(self.loop.now, nbytes, commands)
+        return self.ssd[node].submit(self.loop.now, nbytes, commands)
 
     def _prefetched(self, inst: Instance, rid: str) -> None:
         job = inst.jobs[rid]
         job.rec.prefetch_s = self.loop.now - job.rec.arrival
         job.prefetched.update(job.ssd_keys)
+        job.prefetched.update(job.remote)
         inst.active_prefetches -= 1
         inst.sched.prefetch_done(rid)
         self._pump_prefetch(inst)
@@ -351,7 +404,7 @@ class FlatCake(System):
             cached += n
         rec.hit["dram"] = dram
         rec.hit["ssd"] += len(late)
-        ready = self._read(inst, late) if late else None
+        ready = self._read(inst.node, late) if late else None
         self.useful_ssd_bytes += rec.hit["ssd"] * self.c.page_span
         self._finish_prefill(job, cached, dram + staged, ready)
 
@@ -361,6 +414,9 @@ class FlatCake(System):
         for lease in job.leases:
             catalog.release(lease.id)
         job.leases.clear()
+        for node, lease_id in job.remote_leases:
+            self.catalogs[node].release(lease_id)
+        job.remote_leases.clear()
         keys = list(req.keys)
         if cached >= len(keys):
             return

@@ -67,6 +67,7 @@ class SimConfig:
     gap_bytes: int = 64 * KiB
     staging_slot_bytes: int = 8 * MiB
     streams: int = 4
+    cross_node_gbps: float = 0.0  # FlatCake's reads from other nodes: each node's NIC, Gb/s; 0: off
     samples: int = 100  # occupancy samples per point
     workers: int = 2  # processes for a sweep
 
@@ -84,6 +85,8 @@ class SimConfig:
             raise ConfigError(f"--scheduler: {self.scheduler!r} must be one of {', '.join(SCHEDULER_POLICIES)}")
         if self.prefetch_policy not in hicache.PREFETCH_POLICIES:
             raise ConfigError(f"--prefetch-policy: must be one of {', '.join(hicache.PREFETCH_POLICIES)}")
+        if self.cross_node_gbps < 0:
+            raise ConfigError(f"--cross-node-gbps: {self.cross_node_gbps} must be >= 0 (0: no reads across nodes)")
         if self.device_ranks is not None and self.device_ranks < 1:
             raise ConfigError(f"device_ranks: {self.device_ranks} must be >= 1 (or None: an instance's ranks)")
         devices.profile(self.device)
@@ -119,7 +122,7 @@ def cluster(cfg: SimConfig) -> Cluster:
         prefill_s=prefill, decode_s_per_token=p.decode_s_per_token(gpu), placement=cfg.placement,
         scheduler=cfg.scheduler, gap_bytes=cfg.gap_bytes, staging_slot_bytes=cfg.staging_slot_bytes,
         streams=cfg.streams, prefetch_policy=cfg.prefetch_policy, scope_file_bytes=cfg.scope_file_bytes,
-        device_ranks=cfg.device_ranks or width,
+        device_ranks=cfg.device_ranks or width, cross_node_bytes_per_s=cfg.cross_node_gbps * 1e9 / 8,
     )  # fmt: skip
 
 
@@ -172,7 +175,7 @@ def summarize(
         raise RuntimeError(f"{sim.name}: {len(reqs) - len(recs)} requests never finished (simulator stalled)")
     pt = c.page_tokens
     tokens = sum(r.prompt_tokens for r in recs)
-    hits = {m: sum(r.hit[m] for r in recs) for m in ("hbm", "dram", "ssd")}
+    hits = {m: sum(r.hit[m] for r in recs) for m in ("hbm", "dram", "ssd", "remote")}
     ttft = np.array([r.first_token - r.arrival for r in recs])
     prefetch = np.array([r.prefetch_s for r in recs if r.prefetch_s is not None])
     span_s = max(r.done for r in recs) - min(r.arrival for r in recs)

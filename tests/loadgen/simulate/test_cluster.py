@@ -236,4 +236,28 @@ def test_tiered_backs_pages_up_to_the_nodes_l3_which_serves_its_other_instances(
         _, sim = simulate(cfg, system, None)
         hits[system] = max(sim.records, key=lambda r: r.arrival).hit
     assert hits["tiered"]["ssd"] > 0 and hits["tiered"]["hbm"] == 0
-    assert hits["dram"] == {"hbm": 0, "dram": 0, "ssd": 0}
+    assert hits["dram"] == {"hbm": 0, "dram": 0, "ssd": 0, "remote": 0}
+
+
+def test_cross_node_reads_serve_a_prompt_another_node_stored(tmp_path: Path) -> None:
+    """Two sessions on two nodes share a prompt: with cross-node reads the second node fetches the first
+    node's pages over its NIC (remote hits, the peer's catalog leased meanwhile) instead of prefilling them;
+    without, it prefills. The nodes' own hits are unchanged."""
+    from flatcake.loadgen.simulate.workload import route
+
+    names = [f"s{i}" for i in range(64)]
+    a = next(n for n in names if route(n, 2) == 0)
+    b = next(n for n in names if route(n, 2) == 1)
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, [TraceRequest(0.0, 4096, 1, tuple(range(1, 9)), a, 1, 512),
+                        TraceRequest(60_000.0, 5120, 1, tuple(range(1, 11)), b, 1, 512)])  # fmt: skip
+    hits, outs = {}, {}
+    for gbps in (0.0, 200.0):
+        cfg = dataclasses.replace(small(str(trace)), nodes=2, cross_node_gbps=gbps)
+        outs[gbps], sim = simulate(cfg, "flatcake", None)
+        hits[gbps] = max(sim.records, key=lambda r: r.arrival).hit
+        assert isinstance(sim, FlatCake)
+        assert all(not c.handles()[1] for c in sim.catalogs)  # every lease released, remote ones too
+    assert hits[0.0]["remote"] == 0 and sum(hits[0.0].values()) == 0  # another node's prompt: prefilled
+    assert hits[200.0]["remote"] > 0  # fetched from node 0
+    assert outs[200.0]["hit_share"]["remote"] > 0 and outs[200.0]["ttft_mean_s"] < outs[0.0]["ttft_mean_s"]
