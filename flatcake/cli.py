@@ -569,8 +569,12 @@ def _add_simulate(sub: Subparsers) -> None:
     )
     simp.add_argument("--prefetch-policy", dest="prefetch_policy", help="tiered: timeout (default), best_effort, ...")
     simp.add_argument("--workers", type=int, help="processes for the sweep's points (default 2)")
-    simp.add_argument("--cross-node-gbps", type=float, dest="cross_node_gbps",
-                      help="FlatCake reads other nodes' pages over each node's NIC at this rate (default 0: off)")
+    simp.add_argument(
+        "--cross-node-gbps",
+        type=float,
+        dest="cross_node_gbps",
+        help="FlatCake reads other nodes' pages over each node's NIC at this rate (default 0: off)",
+    )
     simp.add_argument("--json", metavar="PATH", help="write the results as JSON (default: OUT/simulate.json)")
     simp.add_argument("--out", help="where plots and JSON go")
     simp.add_argument("--quiet", action="store_true", help="no progress bar")
