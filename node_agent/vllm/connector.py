@@ -23,6 +23,7 @@ to load is reported to vLLM (``get_block_ids_with_load_errors``), which recomput
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -39,12 +40,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from flatcake.errors import FlatCakeError
 from flatcake.node_agent.datapath.buffers import aligned_empty, round_up
 from flatcake.node_agent.datapath.engine import Engine
+from flatcake.node_agent.datapath.target import PagedTarget
 from flatcake.node_agent.policy.signals import ChainSignals
 from flatcake.node_agent.service.client import connect
 from flatcake.node_agent.service.hints import deployment_hints, run_hints
 from flatcake.node_agent.vllm.plan import Load, Save, Tracker, block_keys, lookup_range, rank_suffix
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger tree: vLLM configures only its own loggers, so this one prints where vLLM's do.
+log = logging.getLogger("vllm.flatcake.connector")
 
 DEFAULT_SOCKET = "/run/flatcake/agent.sock"
 # What a storage call may meet in normal operation: a miss (vLLM computes), never an engine crash.
@@ -86,6 +89,8 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._matched: dict[str, int] = {}  # req_id -> first block FlatCake would supply
         # worker side
         self._layers: list[npt.NDArray[np.uint8]] = []  # each layer as [blocks][raw_bytes]
+        self._target: PagedTarget | None = None  # vLLM's KV buffer as a restore destination (_in_place)
+        self._target_geometry = (0, 0)  # layer 0's first block's offset in it, and the block stride
         self._load_errors: set[int] = set()
         log.info("FlatCake connector (%s): socket %s, %d layers x %d B per block (padded to %d)",
                  "scheduler" if self.is_scheduler else "worker", self.socket, len(self.layer_names),
@@ -186,8 +191,12 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layers = layers
         self.page_bytes = round_up(self.raw_bytes)
         self.layer_names = names
+        found = _in_place([kv_caches[n] for n in names], self.raw_bytes)
+        if found is not None:
+            self._target, self._target_geometry = found[0], (found[1], found[2])
         self._engine()  # the agent's pool must have this geometry: refused here, not at the first request
-        log.info("FlatCake connector: %d layers registered, %d B per block", len(layers), self.raw_bytes)
+        log.info("FlatCake connector: %d layers registered, %d B per block, loads %s", len(layers), self.raw_bytes,
+                 "in place" if self._target else "through a copy")  # fmt: skip
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -197,8 +206,17 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._load(load)
 
     def _load(self, load: Load) -> None:
+        """Restore the planned blocks: in place, straight into vLLM's KV buffer where its layers are views
+        of one buffer at one stride (vLLM's CPU allocation), else through an aligned copy."""
         n, raw = len(load.keys), self.raw_bytes
-        dest = aligned_empty((len(self._layers), n, self.page_bytes))
+        in_place = self._target is not None
+        if self._target is not None:
+            base, block_stride = self._target_geometry
+            t = self._target
+            offsets = [base + b * block_stride for b in load.block_ids]
+            dest: Any = PagedTarget(t.memory, t.layers, offsets, t.layer_stride, t.piece_offsets, t.piece_bytes)
+        else:
+            dest = aligned_empty((len(self._layers), n, self.page_bytes))
         engine = self._engine()
         try:
             with engine.get(load.keys, dest) as restore:
@@ -207,9 +225,10 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
             log.warning("FlatCake connector: load of %d blocks failed: %s", n, exc)
             missing = set(range(n))
         good = min(missing, default=n)  # a prefix: vLLM recomputes from the first block that failed
-        ids = np.asarray(load.block_ids[:good], dtype=np.int64)
-        for layer, blocks in enumerate(self._layers):
-            blocks[ids] = dest[layer, :good, :raw]
+        if not in_place:
+            ids = np.asarray(load.block_ids[:good], dtype=np.int64)
+            for layer, blocks in enumerate(self._layers):
+                blocks[ids] = dest[layer, :good, :raw]
         self._load_errors.update(load.block_ids[good:])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -251,6 +270,23 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+def _in_place(tensors: Sequence[torch.Tensor], raw: int) -> tuple[PagedTarget, int, int] | None:
+    """vLLM's per-layer KV tensors as one restore destination, with layer 0's offset and the block stride,
+    when they are contiguous views of one CPU buffer at one stride apart (vLLM's CPU backend allocates one
+    buffer for all layers); None otherwise (the copying path)."""
+    first = tensors[0]
+    storage = first.untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() or not t.is_contiguous() for t in tensors):
+        return None
+    ptrs = [t.data_ptr() for t in tensors]
+    stride = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
+    if any(b - a != stride for a, b in itertools.pairwise(ptrs)) or (len(ptrs) > 1 and stride <= 0):
+        return None
+    memory: npt.NDArray[np.uint8] = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    target = PagedTarget(memory, len(tensors), [], stride, [0], raw)
+    return target, ptrs[0] - int(memory.ctypes.data), first.stride(0) * first.element_size()
 
 
 def _tp_rank() -> int:

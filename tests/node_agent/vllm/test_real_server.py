@@ -73,3 +73,6 @@ def test_prefixes_come_back_from_flatcake_into_a_real_vllm_server(tmp_path: Path
     finally:
         agent.terminate()
         agent.wait(30)
+    # The worker restored straight into vLLM's KV buffer (its layers: views of one buffer, one stride apart).
+    log = (tmp_path / "vllm" / "server.log").read_text(errors="replace")
+    assert "FlatCake connector: 6 layers registered" in log and "loads in place" in log
