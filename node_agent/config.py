@@ -166,6 +166,9 @@ class ClusterConfig:
     transfer_device: str = ""  # RDMA devices for the transfer engine (empty: its own choice)
     staging_bytes: int = 64 * MiB  # registered memory SSD pages are staged in for peers (and land in, reading)
     peer_timeout_s: float = 5.0  # a peer's answer or transfer not done within it turns into misses
+    # The serving engine's prefill rate for this model (tokens/s); a peer's pages slower to fetch (at the
+    # link rate measured on earlier reads) than to prefill are not used. 0: always fetch.
+    prefill_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -263,6 +266,8 @@ class EngineConfig:
                               f"least two pages of all layers ({min_stage} bytes)")  # fmt: skip
         if not c.peer_timeout_s > 0:
             raise ConfigError(f"cluster.peer_timeout_s: {c.peer_timeout_s} must be > 0 seconds")
+        if c.prefill_tokens_per_s < 0:
+            raise ConfigError(f"cluster.prefill_tokens_per_s: {c.prefill_tokens_per_s} must be >= 0 (0: always fetch)")
         _one_of(self.prepare.hugepage_size, HUGEPAGE_SIZES, "prepare.hugepage_size")
         if self.prepare.devices and not Path(self.ssd.dir).is_relative_to(self.prepare.mount):
             raise ConfigError(f"ssd.dir: {self.ssd.dir} must lie under prepare.mount ({self.prepare.mount}) "

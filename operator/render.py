@@ -199,7 +199,7 @@ def _cross_node(spec: CacheSpec) -> dict[str, Any]:
     if not spec.cross_node:
         return {}
     return {"listen": f"0.0.0.0:{spec.cross_node_port}", "transfer_protocol": spec.transfer_protocol,
-            "transfer_device": spec.transfer_device}  # fmt: skip
+            "transfer_device": spec.transfer_device, "prefill_tokens_per_s": spec.prefill_tokens_per_s}  # fmt: skip
 
 
 # The spec field each checked engine field is rendered from (the prefix of EngineConfig's errors),

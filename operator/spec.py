@@ -186,6 +186,7 @@ class CacheSpec:
     cross_node_port: int = 7471
     transfer_protocol: str = "tcp"
     transfer_device: str = ""
+    prefill_tokens_per_s: float = 0.0
 
     @property
     def pool_bytes(self) -> int:
@@ -279,6 +280,7 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
         cross_node_port=r.get("crossNode.port", int, 7471),
         transfer_protocol=r.get("crossNode.transferProtocol", str, "tcp"),
         transfer_device=r.get("crossNode.transferDevice", str, ""),
+        prefill_tokens_per_s=r.get("crossNode.prefillTokensPerSecond", float, 0.0),
     )
     # Watermarks, file and staging slot sizes are the engine configuration's own rules: the rendered
     # configuration is checked by EngineConfig (render.check_engine_config), not again here.

@@ -101,6 +101,10 @@ class Cluster:
         self._lock = threading.Lock()  # one remote restore at a time through the landing buffer
         self._ask = ThreadPoolExecutor(max_workers=16, thread_name_prefix="flatcake-peers")
         self.last = RemoteRead()
+        self.prefill_tokens_per_s = c.cluster.prefill_tokens_per_s
+        self.page_tokens = c.page_tokens
+        self.link_bytes_per_s: float | None = None  # measured on remote reads (moving average); None: not yet
+        self.declined = 0  # peers' continuations slower to fetch than to prefill, not used
 
     # ---- lookups -----------------------------------------------------------------------------------
     def exists(self, keys: Sequence[Key]) -> int:
@@ -111,6 +115,16 @@ class Cluster:
             return local
         _, hit = self._find(keys[local:])
         return local + hit
+
+    def _worth_fetching(self, pages: int) -> bool:
+        """Whether ``pages`` of a peer arrive sooner than the engine would prefill them: the rule the
+        simulator shows is needed (``simulate --cross-node-gbps``: at TCP rates a GPU prefills a prompt
+        sooner than the network brings its KV). Without a prefill rate, or before a read has measured the
+        link, always."""
+        if not self.prefill_tokens_per_s or self.link_bytes_per_s is None:
+            return True
+        fetch_s = pages * self.span / self.link_bytes_per_s
+        return fetch_s < pages * self.page_tokens / self.prefill_tokens_per_s
 
     def _refresh(self) -> None:
         """Take the peer list this node's agent gives now (keeping the connections of peers still in it)."""
@@ -135,6 +149,9 @@ class Cluster:
             return None, 0
         answers = list(self._ask.map(lambda p: (p, self._peer_exists(p, keys)), live))
         best, hit = max(answers, key=lambda a: a[1])
+        if hit and not self._worth_fetching(hit):
+            self.declined += 1
+            return None, 0
         return (best, hit) if hit else (None, 0)
 
     def _peer_exists(self, peer: Peer, keys: Sequence[Key]) -> int:
@@ -209,6 +226,9 @@ class Cluster:
                 self._down(peer, f"restore: {exc}")
         self.last.node_id = int(peer.info.get("node_id", -1))
         self.last.seconds = time.perf_counter() - started
+        if self.last.bytes and self.last.seconds > 0:  # the link as reads see it (lookups and leases included)
+            rate = self.last.bytes / self.last.seconds
+            self.link_bytes_per_s = rate if self.link_bytes_per_s is None else 0.7 * self.link_bytes_per_s + 0.3 * rate
         return done
 
     def _transfer_for(self, peer: Peer) -> Transfer:

@@ -666,10 +666,12 @@ def test_cross_node_reads_are_rendered_into_the_agents() -> None:
     assert "listen" not in render.engine_config(off, CACHE)["cluster"]
     agent = render.daemon_set(off, CACHE, render.engine_config(off, CACHE))["spec"]["template"]["spec"]["containers"][0]
     assert "--listen-host" not in agent["command"] and [p["name"] for p in agent["ports"]] == ["metrics"]
-    on = parse_spec(spec(crossNode={"enabled": True, "port": 7600, "transferProtocol": "rdma"}))
+    on = parse_spec(spec(crossNode={"enabled": True, "port": 7600, "transferProtocol": "rdma",
+                                    "prefillTokensPerSecond": 20000}))  # fmt: skip
     config = render.engine_config(on, CACHE)
     engine = EngineConfig.from_dict(config)  # the agent accepts it
     assert (engine.cluster.listen, engine.cluster.transfer_protocol) == ("0.0.0.0:7600", "rdma")
+    assert engine.cluster.prefill_tokens_per_s == 20000.0
     agent = render.daemon_set(on, CACHE, config)["spec"]["template"]["spec"]["containers"][0]
     i = agent["command"].index("--listen-host")
     assert agent["command"][i + 1] == "$(POD_IP)" and {"name": "POD_IP"}.items() <= agent["env"][-1].items()

@@ -191,6 +191,26 @@ def test_clients_take_their_peers_from_their_agent(two_nodes: dict[str, Any], tm
         writer.close()
 
 
+def test_a_peers_pages_slower_to_fetch_than_to_prefill_are_not_used(two_nodes: dict[str, Any]) -> None:
+    """cluster.prefill_tokens_per_s: once a read has measured the link, a continuation that would arrive
+    later than the engine prefills it is left out of lookups (the simulator's rule)."""
+    writer = connect(two_nodes["a"].agent.socket)
+    keys = [f"f{i}" for i in range(8)]
+    writer.put(keys, pages(8, 6), SHARED)
+    reader = Cluster(connect(two_nodes["b"].agent.socket))
+    try:
+        reader.prefill_tokens_per_s = 1e15  # a GPU that prefills faster than any link moves KV
+        assert reader.exists(keys) == 8  # the link is not measured yet: fetched
+        assert reader.restore(keys, aligned_empty((LAYERS, 8, PAGE))) == set()
+        assert reader.link_bytes_per_s is not None and reader.link_bytes_per_s > 0
+        assert reader.exists(keys) == 0 and reader.declined == 1  # now measured: not worth fetching
+        reader.prefill_tokens_per_s = 1.0  # a slow engine: the peer's pages win
+        assert reader.exists(keys) == 8
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_cluster_settings_are_checked_naming_the_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"cluster.listen: 'nowhere' must be host:port"):
         config(tmp_path, 1, ClusterConfig(listen="nowhere"))
@@ -200,3 +220,5 @@ def test_cluster_settings_are_checked_naming_the_field(tmp_path: Path) -> None:
         config(tmp_path, 1, ClusterConfig(transfer_protocol="udp"))
     with pytest.raises(ConfigError, match="cluster.staging_bytes: 4096 must be a multiple of 4096 and hold"):
         config(tmp_path, 1, ClusterConfig(staging_bytes=4096))
+    with pytest.raises(ConfigError, match="cluster.prefill_tokens_per_s: -1.0 must be >= 0"):
+        config(tmp_path, 1, ClusterConfig(prefill_tokens_per_s=-1.0))
