@@ -229,9 +229,9 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
                     raise RuntimeError(f"the {which} set was placed on {put.medium} ({put.reason})")
             return {"ran": True}
         cluster = Cluster(engine)
-        one_sided = Cluster(engine, stage_dram=False)  # DRAM pages read from A's pool, as over RDMA
         if job["op"] == "read_killed":
             return _read_killed(cluster, cfg, Path(job["progress"]))
+        one_sided = Cluster(engine, stage_dram=False)  # DRAM pages read from A's pool, as over RDMA
         runs: dict[str, list[dict[str, float]]] = {p: [] for p in PATHS}
         expected = {which: _pages(cfg, seed) for which, seed in SETS.items()}
         for _ in range(cfg.repeats):

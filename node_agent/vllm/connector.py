@@ -86,6 +86,7 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # scheduler side
         self.tracker = Tracker(self.block_size)
         self._requests: dict[str, Any] = {}
+        self._request_keys: dict[str, list[str]] = {}  # req_id -> keys of its hashed blocks so far
         self._matched: dict[str, int] = {}  # req_id -> first block FlatCake would supply
         # worker side
         self._layers: list[npt.NDArray[np.uint8]] = []  # each layer as [blocks][raw_bytes]
@@ -104,7 +105,13 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self.engine
 
     def _keys(self, request: Any) -> list[str]:
-        return block_keys(request.block_hashes, self.suffix)
+        """The request's block keys; only blocks hashed since the last call are converted (this runs for
+        every scheduled request every step)."""
+        keys = self._request_keys.setdefault(request.request_id, [])
+        hashes = request.block_hashes
+        if len(hashes) > len(keys):
+            keys.extend(block_keys(hashes[len(keys) :], self.suffix))
+        return keys
 
     # ---- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -170,6 +177,7 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.tracker.finished(request.request_id)
         self._requests.pop(request.request_id, None)
+        self._request_keys.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         return False, None  # saves run within the step that completes a block: nothing outlives the request
 
