@@ -662,13 +662,20 @@ def _add_report(sub: Subparsers) -> None:
 def _add_emulate(sub: Subparsers) -> None:
     """``flatcake emulate``: the emulated inference server."""
     emulate = sub.add_parser("emulate", help="an inference server that stores real KV through the storage under test")
-    emulate.add_argument("--mode", choices=["flatcake", "tiered", "dram", "none"], default="flatcake")
+    emulate.add_argument(
+        "--mode",
+        choices=["flatcake", "flatcake-native", "tiered", "dram", "none"],
+        default="flatcake",
+        help="flatcake: SGLang HiCache's rules over FlatCake's backend, as it ships; flatcake-native: the paper's "
+        "engine-integrated FlatCake (FC-MAS, restores at dispatch: a what-if); tiered: SGLang's rules over --l3; "
+        "dram: its host tier alone; none: nothing stored (default: flatcake)",
+    )
     emulate.add_argument(
         "--host", default="127.0.0.1", help="IP address or name to listen on; 0.0.0.0: every interface"
     )
     emulate.add_argument("--port", type=_port, default=8000, help="TCP port, 0..65535 (0: a free one)")
     emulate.add_argument("--data-dir", dest="data_dir", default=".flatcake-emulator", help="where the pools go")
-    emulate.add_argument("--agent-socket", dest="agent_socket", help="flatcake mode: use this node agent")
+    emulate.add_argument("--agent-socket", dest="agent_socket", help="flatcake modes: use this node agent")
     emulate.add_argument(
         "--preset",
         "--model",  # the old name: a served model's name is what --model means to an inference server
@@ -693,16 +700,24 @@ def _add_emulate(sub: Subparsers) -> None:
     emulate.add_argument(
         "--l3",
         choices=["log", "hicache-file", "hicache-mooncake"],
-        help="tiered mode: what holds the pages the host tier evicts: an idealized SSD log (default), SGLang's "
-        "HiCacheFile, one file per page (needs the sglang extra), or Mooncake Store (needs the peers extra)",
+        help="tiered mode: the storage below SGLang's host tier, written through: an idealized SSD log (default), "
+        "SGLang's HiCacheFile, one file per page (needs the sglang extra), or Mooncake Store (needs the peers extra)",
+    )
+    emulate.add_argument(
+        "--keep-page-cache",
+        dest="drop_page_cache",
+        action="store_false",
+        default=None,
+        help="--l3 hicache-file: leave its page files in the OS page cache (default: dropped once written, so "
+        "its reads hit the device as the others' O_DIRECT reads do)",
     )
     emulate.add_argument(
         "--scheduler",
         choices=SCHEDULER_POLICIES,
-        help="flatcake mode: how requests are ordered: mas (FC-MAS, default) or fcfs (the ablation)",
+        help="flatcake-native mode: how requests are ordered: mas (FC-MAS, default) or fcfs (the ablation)",
     )
     emulate.add_argument("--placement", choices=PLACEMENT_MODES,
-                         help="flatcake mode, in-process engine: Table 2 (table2, default) or adaptive")  # fmt: skip
+                         help="flatcake modes, in-process engine: Table 2 (table2, default) or adaptive")  # fmt: skip
     emulate.set_defaults(func=_emulate, service=True)
 
 

@@ -24,10 +24,14 @@ class SystemName:
 
 
 REGISTRY: tuple[SystemName, ...] = (
-    SystemName("flatcake", "FlatCake as a serving engine runs it: through its node agent (peers: SGLang's "
-               "backend over the agent; e2e: the emulator as the agent's client; simulate: the agent's catalog "
-               "and scheduler; serve: the backend inside a real SGLang server; serve-vllm: the KV connector inside "
-               "a real vLLM server)", ("peers", "e2e", "simulate", "serve", "serve-vllm")),
+    SystemName("flatcake", "FlatCake as it ships: its node agent behind the engine's plugin API, bound by the "
+               "engine's rules (peers: SGLang's backend over the agent; e2e: SGLang HiCache 0.5.23's rules with "
+               "FlatCake's backend as L3 under SGLang's host tier; serve: the backend inside a real SGLang server; "
+               "serve-vllm: the KV connector inside a real vLLM server)", ("peers", "e2e", "serve", "serve-vllm")),
+    SystemName("flatcake-native", "the paper's engine-integrated FlatCake, a what-if until an engine ships it: "
+               "FC-MAS queues, prefetches that wait instead of declining, late pages restored at dispatch and "
+               "streamed layer by layer into the prefill (e2e: the emulator as the agent's client; simulate: the "
+               "agent's catalog and scheduler)", ("e2e", "simulate")),
     SystemName("flatcake-engine", "FlatCake's engine in process, no agent (its layers stream as they land)",
                ("restore", "peers", "context")),
     SystemName("tiered", "SGLang HiCache's rules: a host LRU tier evicting into an idealized SSD log (one "

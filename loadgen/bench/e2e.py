@@ -1,6 +1,8 @@
 """``flatcake bench e2e``: the main job. Emulators on loopback, a trace slice replayed through Locust at
-several rates for FlatCake (under FC-MAS, and FCFS for the ablation), tiered (SGLang HiCache's rules)
-and DRAM-only storage, repeated, then the report.
+several rates for FlatCake as it ships (SGLang HiCache's rules over FlatCake's backend), the paper's
+engine-integrated FlatCake (``flatcake-native``, a what-if: FC-MAS, or FCFS for the ablation), and the
+baselines under SGLang's rules (tiered, SGLang's file and Mooncake backends, DRAM only), repeated, then
+the report. Every summary row says whose rules it ran under (``rules``: ``sglang`` or ``native``).
 
 Calibrated: the emulated GPU costs what the model preset says on the named GPU, and the KV bytes per
 token are the preset's, through the real engines on this machine's disk. The emulator sizes HBM,
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +29,7 @@ from typing import Any
 
 from flatcake.loadgen import names
 from flatcake.loadgen.emulator.config import EmulatorConfig
-from flatcake.loadgen.emulator.core import page_keys
+from flatcake.loadgen.emulator.core import page_keys, scheduler_policy
 from flatcake.loadgen.emulator.storage import engine_config
 from flatcake.loadgen.models import preset
 from flatcake.loadgen.replay.requests import prompt_tokens
@@ -47,6 +50,7 @@ SYSTEMS = names.names("e2e")
 # system -> (emulator mode, L3), where not (system, log); hicache-file: tiered with SGLang's HiCacheFile as L3
 EMULATE = {"hicache-file": ("tiered", "hicache-file"), "hicache-mooncake": ("tiered", "hicache-mooncake"),
            "recompute": ("none", "log")}  # fmt: skip
+FLATCAKES = ("flatcake", "flatcake-native")  # the systems with a node agent underneath
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,8 @@ class E2EConfig:
     window_s: float | None = None  # at most this much trace time from the first kept request
     qps: tuple[float, ...] = (2.0, 4.0, 8.0)
     time_scale: tuple[float, ...] | None = None  # replay at the trace's own times x each factor, instead of qps
-    systems: tuple[str, ...] = ("flatcake", "tiered", "dram")
-    schedulers: tuple[str, ...] = ("mas",)  # FlatCake's; two run the FC-MAS ablation
+    systems: tuple[str, ...] = ("flatcake", "flatcake-native", "tiered", "dram")
+    schedulers: tuple[str, ...] = ("mas",)  # flatcake-native's; two run the FC-MAS ablation
     placements: tuple[str, ...] = ("table2",)  # FlatCake's placement.mode; two run the placement ablation
     repeats: int = 3
     model: str = "dsv4-flash"
@@ -199,11 +203,31 @@ def points(cfg: E2EConfig, rates: tuple[float, ...]) -> list[Point]:
     out = []
     for rep in range(cfg.repeats):
         for system in cfg.systems:
-            flatcake = system == "flatcake"
-            for sched in cfg.schedulers if flatcake else (None,):
+            native, flatcake = system == "flatcake-native", system in FLATCAKES
+            for sched in cfg.schedulers if native else (None,):
                 for placement in cfg.placements if flatcake else ("table2",):
                     out += [Point(system, sched, q, rep, placement) for q in rates]
     return out
+
+
+def point_config(emu: EmulatorConfig, point: Point) -> EmulatorConfig:
+    """The emulator's configuration for one point's system."""
+    mode, l3 = EMULATE.get(point.system, (point.system, "log"))
+    return dataclasses.replace(emu, mode=mode, scheduler=point.scheduler, l3=l3, placement=point.placement)
+
+
+def system_rules(emu: EmulatorConfig) -> dict[str, Any]:
+    """What one system runs under, for the report: whose rules, its DRAM split, its L3, how its reads
+    meet the page cache."""
+    return {
+        "rules": emu.rules, "mode": emu.mode, "l3": emu.storage, "scheduler": scheduler_policy(emu),
+        "host_tier_bytes": emu.host_tier_bytes if emu.rules == "sglang" else 0,
+        "storage_dram_bytes": emu.l3_dram_bytes, "dram_budget_bytes": emu.dram_bytes,
+        "write_policy": "write_through (backup thread)" if emu.storage else None,
+        "prefetch_policy": emu.prefetch_policy if emu.rules == "sglang" else "waits (never declines)",
+        "late_pages": "recomputed" if emu.rules == "sglang" else "restored at dispatch",
+        "page_cache": emu.page_cache,
+    }  # fmt: skip
 
 
 def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Point, out: Path, work: Path) -> None:
@@ -211,16 +235,15 @@ def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Poin
     run_dir = out / point.label / f"qps-{point.qps:g}" / f"rep-{point.repeat}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    data = work / f"{point.label}-{point.qps:g}-{point.repeat}"
+    # A short name: the agent's socket lives here, and a Unix socket's path has at most 107 bytes.
+    data = work / f"{zlib.crc32(f'{point.label}-{point.qps:g}-{point.repeat}'.encode()):08x}"
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
-    mode, l3 = EMULATE.get(point.system, (point.system, "log"))
-    emu = dataclasses.replace(emu_base, mode=mode, data_dir=str(data), scheduler=point.scheduler, l3=l3,
-                              placement=point.placement)  # fmt: skip
+    emu = dataclasses.replace(point_config(emu_base, point), data_dir=str(data))
     agent = emulator = None
     logs = []
     try:
-        if point.system == "flatcake" and cfg.use_agent:
+        if point.system in FLATCAKES and cfg.use_agent:
             sock = str(data / "agent.sock")
             agent_cfg = AgentConfig(socket=sock, metrics_host="127.0.0.1", metrics_port=0)
             engine = dataclasses.replace(engine_config(emu, data / "flatcake"), agent=agent_cfg)
@@ -231,11 +254,13 @@ def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Poin
         args = [FLATCAKE, "emulate", "--mode", emu.mode, "--port", str(port), "--data-dir", str(data),
                 "--model", str(emu.model), "--gpu", emu.gpu, "--prefetch-policy", emu.prefetch_policy,
                 "--l3", emu.l3]  # fmt: skip
+        if not emu.drop_page_cache:
+            args.append("--keep-page-cache")
         for name in ("hbm_bytes", "dram_bytes", "ssd_bytes", "scope_file_bytes"):
             args += [f"--{name.replace('_', '-')}", str(getattr(emu, name))]
         if emu.scheduler:
             args += ["--scheduler", emu.scheduler]
-        if emu.mode == "flatcake":
+        if emu.mode in FLATCAKES:
             args += ["--placement", emu.placement]
         if emu.agent_socket:
             args += ["--agent-socket", emu.agent_socket]
@@ -289,8 +314,10 @@ def run(cfg: E2EConfig, out: str | Path, log: Callable[[str], None] = print) -> 
         "placements": list(cfg.placements),
         "working_set_pages": pages, "longest_prompt_pages": longest, "sizing": dataclasses.asdict(cfg.sizing),
         "emulator": dataclasses.asdict(emu),
-        "labels": {p.label: {"system": p.system, "scheduler": p.scheduler or "fcfs", "placement": p.placement}
+        "labels": {p.label: {"system": p.system, "scheduler": p.scheduler or "fcfs", "placement": p.placement,
+                             "rules": point_config(emu, p).rules}
                    for p in points(cfg, rates)},
+        "systems_run": {p.system: system_rules(point_config(emu, p)) for p in points(cfg, rates)},
     })  # fmt: skip
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     todo = points(cfg, rates)

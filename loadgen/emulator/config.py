@@ -10,10 +10,15 @@ from flatcake.loadgen.models import ModelPreset, gpu_profile, preset
 from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.node_agent.constants import PLACEMENT_MODES, SCHEDULER_POLICIES
 
-MODES = ("flatcake", "tiered", "dram", "none")
+# flatcake: SGLang HiCache's rules over FlatCake's backend as L3 (FlatCake as it ships); flatcake-native: the
+# paper's engine-integrated FlatCake (FC-MAS, restores streamed at dispatch), a what-if until an engine ships it;
+# tiered: SGLang HiCache's rules over the L3 named by ``l3``; dram: its host tier alone; none: nothing stored.
+MODES = ("flatcake", "flatcake-native", "tiered", "dram", "none")
 MiB = 1 << 20
 # tiered: the idealized SSD log, SGLang's HiCacheFile, or Mooncake Store (SGLang's Mooncake backend)
 L3_BACKENDS = ("log", "hicache-file", "hicache-mooncake")
+# The modes SGLang schedules (its prefetch, stop and no-late-read rules); the native what-if is the other one.
+SGLANG_MODES = ("flatcake", "tiered", "dram", "none")
 
 
 @dataclass(frozen=True)
@@ -34,12 +39,16 @@ class EmulatorConfig:
     scope_file_bytes: int = 8 * MiB  # FlatCake: one session scope's file
     prefill_tokens_per_s: float = 100_000.0  # without a model preset
     decode_tokens_per_s: float = 200.0  # without a model preset
-    # flatcake only (the tiered modes are FCFS as SGLang schedules): mas (None: the default) or fcfs
+    # flatcake-native only (the SGLang modes are FCFS as SGLang schedules): mas (None: the default) or fcfs
     scheduler: str | None = None
-    prefetch_policy: str = hicache.DEFAULT_PREFETCH_POLICY  # tiered: SGLang's prefetch stop policy
-    prefetchers: int = 2  # flatcake: concurrent SSD prefetches
-    placement: str = "table2"  # flatcake: placement.mode of its engine (PLACEMENT_MODES)
-    l3: str = "log"  # tiered: what holds the pages the host tier evicts (L3_BACKENDS)
+    prefetch_policy: str = hicache.DEFAULT_PREFETCH_POLICY  # SGLang's prefetch stop policy
+    prefetchers: int = 2  # flatcake-native: concurrent SSD prefetches
+    placement: str = "table2"  # flatcake, flatcake-native: placement.mode of its engine (PLACEMENT_MODES)
+    l3: str = "log"  # tiered: the storage below the host tier (L3_BACKENDS)
+    # hicache-file: evict each page file from the OS page cache once written (fdatasync, then
+    # POSIX_FADV_DONTNEED), so its reads hit the device as every other system's do (O_DIRECT); False
+    # leaves the page cache as the OS keeps it (memory beyond the DRAM budget serving reads).
+    drop_page_cache: bool = True
 
     @property
     def page_bytes(self) -> int:
@@ -50,15 +59,45 @@ class EmulatorConfig:
         return self.layers * self.page_bytes
 
     @property
+    def rules(self) -> str:
+        """Whose rules the request path follows: ``sglang`` (HiCache's, every shipped system) or ``native``."""
+        return "sglang" if self.mode in SGLANG_MODES else "native"
+
+    @property
+    def storage(self) -> str | None:
+        """The L3 under SGLang's host tier: ``flatcake`` (FlatCake's backend), ``l3`` for tiered, else None."""
+        if self.mode == "flatcake":
+            return "flatcake"
+        return self.l3 if self.mode == "tiered" else None
+
+    @property
     def l3_dram_bytes(self) -> int:
-        """DRAM the tiered L3 holds of ``dram_bytes``: half for Mooncake's segment (a Mooncake deployment
-        is DRAM plus SSD; Mooncake raises a segment below 16 MiB to 16 MiB), none for the others."""
-        return self.dram_bytes // 2 if self.mode == "tiered" and self.l3 == "hicache-mooncake" else 0
+        """DRAM the L3 holds of ``dram_bytes``: half for an L3 that is DRAM plus SSD (FlatCake's DRAM pool,
+        Mooncake's segment; SGLang's host pool, the other half, must stay larger than the GPU's pool), none
+        for the others. flatcake-native has no host tier: its pool is the whole budget."""
+        if self.storage in ("flatcake", "hicache-mooncake"):
+            return self.dram_bytes // 2
+        return self.dram_bytes if self.mode == "flatcake-native" else 0
 
     @property
     def host_tier_bytes(self) -> int:
-        """FlatCake's DRAM pool, or the tiered host tier (SGLang's host pool): the DRAM budget less the L3's."""
+        """SGLang's host pool: the DRAM budget less the L3's (none for flatcake-native)."""
         return self.dram_bytes - self.l3_dram_bytes
+
+    @property
+    def page_cache(self) -> str:
+        """How this mode's storage reads meet the OS page cache (the report's calibration says it)."""
+        if self.storage == "hicache-file":
+            return (
+                "dropped after each page file is written: reads hit the device"
+                if self.drop_page_cache
+                else ("kept: reads may be served from memory beyond the DRAM budget")
+            )
+        if self.storage == "hicache-mooncake":
+            return "Mooncake's offload files, as its client writes them"
+        if self.storage is None and self.mode != "flatcake-native":
+            return "no storage reads"
+        return "bypassed: O_DIRECT reads"
 
     @property
     def preset(self) -> ModelPreset | None:

@@ -99,7 +99,7 @@ def scheduler_policy(cfg: EmulatorConfig) -> str:
     """How FlatCake orders requests: as chosen (``--scheduler``), else FC-MAS. The other modes are
     FCFS, as SGLang schedules. A benchmark setting, not the agent's: a real server's requests are
     ordered by its own scheduler."""
-    if cfg.mode != "flatcake":
+    if cfg.rules != "native":
         return "fcfs"
     return cfg.scheduler or "mas"
 
@@ -117,11 +117,14 @@ class Emulator:
         self.sched = Scheduler(scheduler_policy(cfg))
         # Tiered (SGLang HiCache): the FCFS waiting queue, the tokens in flight in prefetches
         # (prefetch_tokens_occupied) against half the host pool, and the one prefetch I/O thread.
-        self.sglang_like = cfg.mode in ("tiered", "dram")
+        self.sglang_like = cfg.mode in ("flatcake", "tiered", "dram")
         self.waiting: list[_Job] = []
         self.staging_tokens = 0
         self._passes = 0  # tiered: scheduling passes so far (SGLang paces lookup retries by them)
-        self.host_pool_tokens = max(1, cfg.host_tier_bytes // cfg.page_span) * cfg.page_tokens
+        # SGLang's host pool bounds the tokens in flight; the native what-if has no host tier, and its
+        # prefetches are bounded the same way by its DRAM budget.
+        host = cfg.host_tier_bytes if self.sglang_like else cfg.dram_bytes
+        self.host_pool_tokens = max(1, host // cfg.page_span) * cfg.page_tokens
         self._io_queue: asyncio.Queue[_Job] | None = None
         # Placement accuracy (FlatCake): where each stored page went, and which were asked for again.
         self.placed: dict[str, str] = {}
@@ -134,6 +137,7 @@ class Emulator:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="emulator-store")
         self._writes: set[Future[None]] = set()  # write-backs not yet done (a flush waits for them)
         self._tasks: list[asyncio.Task[None]] = []
+        self._lookups: set[asyncio.Task[None]] = set()  # SGLang-like: missed lookups being asked again
         self.registry = CollectorRegistry()
         m = {n: f(n, self.registry) for n, f in (
             ("flatcake_requests", M.counter), ("flatcake_prompt_tokens", M.counter),
@@ -191,9 +195,10 @@ class Emulator:
             self._tasks.append(asyncio.create_task(self._prefetch_loop()))
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._lookups]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._writer.shutdown(wait=True)
@@ -214,11 +219,12 @@ class Emulator:
         keys = page_keys(tokens, cfg.page_tokens)
         hbm = self._hbm_prefix(keys)
         self.signals.observe(keys[:hbm], keys[hbm:])  # SGLang's hit query names the chain past HBM
-        media = await asyncio.get_running_loop().run_in_executor(self._pool, self.storage.media, keys[hbm:])
+        media = await asyncio.get_running_loop().run_in_executor(self._pool, self.storage.media, keys[hbm:], keys[:hbm])
         self._mark_reused(keys, hbm + len(media))
         job = _Job(next(self._ids), keys, ssd_span(keys, hbm, media), out)
         async with self._cond:
             if self.sglang_like:
+                self._hold_host(job, hbm, media)
                 self._try_prefetch(job)
                 self.waiting.append(job)
                 self._tiered_depths()
@@ -377,7 +383,7 @@ class Emulator:
         in flight reach half the host pool. Called under the condition's lock."""
         tokens = len(job.ssd_keys) * self.cfg.page_tokens
         job.retry = False
-        if self.cfg.mode != "tiered":
+        if self.cfg.storage is None:
             return
         if not hicache.worth_prefetching(tokens):  # a miss (or too little): asked again a few passes later
             job.lookup_at = hicache.miss_retry_at(self._passes, job.lookups)
@@ -434,7 +440,9 @@ class Emulator:
         pt = self.cfg.page_tokens
         self._passes += 1
         for job in hicache.due_lookups(self.waiting, self._passes):  # before admission, as SGLang
-            self._look_up_again(job)
+            task = asyncio.create_task(self._look_up_again(job))
+            self._lookups.add(task)
+            task.add_done_callback(self._lookups.discard)
         for job in self.waiting:
             if job.retry:
                 self._try_prefetch(job)
@@ -450,13 +458,27 @@ class Emulator:
             return job, None
         return None, wake
 
-    def _look_up_again(self, job: _Job) -> None:
+    def _hold_host(self, job: _Job, hbm: int, media: list[str]) -> None:
+        """Lock the host-tier pages this waiting request matched (and let go of what it held before)."""
+        self.storage.hold_host(job.host_held, -1)
+        job.host_held = [key for key, medium in zip(job.keys[hbm:], media, strict=False) if medium == "dram"]
+        self.storage.hold_host(job.host_held, +1)
+
+    async def _look_up_again(self, job: _Job) -> None:
         """A missed storage lookup asked again: pages stored since (another request's write-back) may
-        now be prefetched. In-memory lookups only (the tiered store's maps), so it runs on the loop."""
+        now be prefetched. The lookup asks the L3 (off the loop, as SGLang's prefetch thread asks it);
+        a request scheduled meanwhile keeps what it had."""
+        assert self._cond is not None
         self.m["flatcake_prefetch_retries"].labels(self.cfg.mode).inc()
         hbm = self._hbm_prefix(job.keys)
-        job.ssd_keys = ssd_span(job.keys, hbm, self.storage.media(job.keys[hbm:]))
-        self._try_prefetch(job)
+        loop = asyncio.get_running_loop()
+        media = await loop.run_in_executor(self._pool, self.storage.media, job.keys[hbm:], job.keys[:hbm])
+        async with self._cond:
+            if job in self.waiting and job.op is None:
+                self._hold_host(job, hbm, media)
+                job.ssd_keys = ssd_span(job.keys, hbm, media)
+                self._try_prefetch(job)
+                self._cond.notify_all()
 
     async def _tiered_gpu_loop(self) -> None:
         assert self._cond is not None
@@ -503,25 +525,30 @@ class Emulator:
                 arrivals = latest(arrivals, times)
             if cached == len(keys):
                 break
-            late = await loop.run_in_executor(self._pool, self.storage.media, keys[cached:])
-            cut = cfg.mode == "tiered" and "ssd" in late
-            if cut:
-                # SGLang reads storage only through a prefetch; pages not brought by it (declined,
-                # stopped early, or stored since admission) are recomputed. FlatCake restores them
-                # now, layer-pipelined through its window.
-                if job.declined:
-                    job.declined = min(job.declined, len(late) - late.index("ssd"))
-                else:
-                    out.unprefetched_pages += len(late) - late.index("ssd")
-                late = late[: late.index("ssd")]
+            if self.sglang_like:
+                # SGLang matches device and host pages at scheduling, never storage: what its prefetch did
+                # not bring (declined, stopped early, or stored since admission) is recomputed.
+                late = await loop.run_in_executor(self._pool, self.storage.host_media, keys[cached:])
+            else:  # the native what-if restores it now, layer-pipelined through its window
+                late = await loop.run_in_executor(self._pool, self.storage.media, keys[cached:], keys[:cached])
             got, times = await self._restore(self._pool, keys[cached : cached + len(late)], late.count("ssd"))
             arrivals = latest(arrivals, times)
             for medium in late[:got]:
                 hits[medium] += 1
             out.failed_pages += len(late) - got
             cached += got
-            if cut or not late or got < len(late):
+            if not late or got < len(late):
                 break
+        if self.sglang_like:  # scheduled: its host pages are in HBM now, and may leave the host tier
+            self.storage.hold_host(job.host_held, -1)
+            job.host_held = []
+        if self.sglang_like and job.ssd_keys:  # storage pages found at admission that did not arrive
+            arrived = set(keys[:cached])
+            left = sum(1 for key in job.ssd_keys if key not in arrived)
+            if job.declined:
+                job.declined = min(job.declined, left)
+            else:
+                out.unprefetched_pages += left
         self._touch(keys[:cached])
         out.declined_pages += job.declined
         miss_tokens = out.prompt_tokens - cached * cfg.page_tokens
@@ -613,4 +640,5 @@ class _Job:
     lookups: int = 0  # tiered: storage lookups asked again after a miss
     lookup_at: int | None = None  # tiered: the scheduling pass that asks storage again (a missed lookup)
     held: dict[str, tuple[npt.NDArray[np.uint8], int]] = field(default_factory=dict)  # prepared: key -> (staging, page)
+    host_held: list[str] = field(default_factory=list)  # SGLang-like: host pages it matched, locked until scheduled
     done: asyncio.Event = field(default_factory=asyncio.Event)

@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from flatcake.loadgen.emulator.config import EmulatorConfig, MiB
 from flatcake.loadgen.overlap import even_arrivals
+from flatcake.loadgen.systems.flatcake_pages import FlatCakePages
 from flatcake.loadgen.systems.tiered import PageStore, TieredStore
 from flatcake.node_agent import (
     ChainSignals,
@@ -45,23 +46,35 @@ class Storage:
         self._kv = aligned_empty((cfg.layers, chunk, cfg.page_bytes))
         self._kv[...] = np.random.default_rng(0).integers(0, 256, size=self._kv.shape, dtype=np.uint8)
         self._dests = ThreadBuffers()  # restores land in a reused host buffer, as in a serving engine's pool
-        if cfg.mode == "flatcake":
+        if cfg.mode in ("flatcake", "flatcake-native"):
+            # FlatCake's engine: the whole store (native), or the L3 under SGLang's host tier (as it ships).
             if cfg.agent_socket:
                 from flatcake.node_agent import connect
 
                 self.engine = connect(cfg.agent_socket, layers=cfg.layers, page_bytes=cfg.page_bytes)
             else:
                 self.engine = Engine(engine_config(cfg, root))
-        elif cfg.mode in ("tiered", "dram"):
+        if cfg.rules == "sglang" and cfg.mode != "none":
             bucket = max(cfg.page_span, (64 * MiB) // cfg.page_span * cfg.page_span)
-            l3 = real_l3(cfg, root) if cfg.mode == "tiered" else None
-            log_buckets = -(-cfg.ssd_bytes // bucket) if cfg.mode == "tiered" and l3 is None else 0
+            l3 = self._l3(root)
+            log_buckets = -(-cfg.ssd_bytes // bucket) if cfg.storage == "log" else 0
             self.tiered = TieredStore(root, layers=cfg.layers, page_bytes=cfg.page_bytes,
                                       dram_pages=max(1, cfg.host_tier_bytes // cfg.page_span), bucket_bytes=bucket,
                                       buckets=log_buckets, workers=4, reader="whole_page", l3=l3)  # fmt: skip
 
-    def media(self, keys: list[str]) -> list[str]:
-        """Medium of each page of the stored prefix of ``keys``."""
+    def _l3(self, root: Path) -> PageStore | None:
+        """SGLang's storage backend below its host tier: FlatCake's (through its engine or agent), or a
+        real baseline (``real_l3``); None for the idealized log or no L3."""
+        if self.cfg.storage == "flatcake":
+            assert self.engine is not None
+            return FlatCakePages(self.engine, self.cfg.page_tokens)
+        return real_l3(self.cfg, root) if self.cfg.mode == "tiered" else None
+
+    def media(self, keys: list[str], prefix: list[str] | None = None) -> list[str]:
+        """Medium of each page of the stored prefix of ``keys`` (``prefix``: the keys before them, which an
+        L3 told the chain sees): under SGLang's rules "dram" is its host tier and "ssd" its L3."""
+        if self.tiered is not None:
+            return self.tiered.media(keys, prefix or [])
         if self.engine is not None:
             hit = self.engine.exists(keys)
             if not hit:
@@ -69,9 +82,16 @@ class Storage:
             lease = self.engine.catalog.acquire(keys[:hit])
             self.engine.catalog.release(lease.id)
             return ["ssd" if loc.gva >= SSD_THRESHOLD else "dram" for loc in lease.locations]
-        if self.tiered is not None:
-            return self.tiered.media(keys)
         return []
+
+    def hold_host(self, keys: list[str], delta: int) -> None:
+        """Lock (1) or unlock (-1) host-tier pages a waiting request matched (SGLang's lock on its node)."""
+        if self.tiered is not None:
+            self.tiered.hold(keys, delta)
+
+    def host_media(self, keys: list[str]) -> list[str]:
+        """SGLang's match at scheduling: the leading pages of ``keys`` in its host tier ("dram")."""
+        return ["dram"] * self.tiered.host_prefix(keys) if self.tiered is not None else []
 
     def restore(
         self, keys: list[str], promote: bool = False, dest: npt.NDArray[np.uint8] | None = None
@@ -87,6 +107,13 @@ class Storage:
             return 0, []
         if dest is None:
             dest = self._dests.get((self.cfg.layers, len(keys), self.cfg.page_bytes))
+        if self.tiered is not None:
+            started = time.monotonic()
+            missing = self.tiered.restore_pages(keys, dest)
+            got = min(missing) if missing else len(keys)
+            if promote and got:
+                self.tiered.promote(keys[:got], dest)
+            return got, even_arrivals(started, time.monotonic(), self.cfg.layers) if got else []
         if self.engine is not None:
             times: list[float] = []
             try:
@@ -97,14 +124,6 @@ class Storage:
             except KeyError:  # reclaimed between lookup and restore: recompute
                 return 0, []
             return (min(missing) if missing else len(keys)), times
-        if self.tiered is not None:
-            started = time.monotonic()
-            media = self.tiered.media(keys)
-            if self.tiered.restore(keys[: len(media)], dest):
-                return 0, []  # a page went missing during the read: the batch is not used
-            if promote:
-                self.tiered.promote(keys[: len(media)], dest)
-            return len(media), even_arrivals(started, time.monotonic(), self.cfg.layers)
         return 0, []
 
     def load_held(self, held: list[tuple[npt.NDArray[np.uint8], list[int]]]) -> list[float]:
@@ -128,10 +147,11 @@ class Storage:
         """Write-back of newly computed pages after ``prefix`` (in the background; not on the TTFT path),
         each run with the hints SGLang's backend derives for it (``signals``). Returns where each stored
         page was placed (FlatCake), for placement accuracy."""
+        if self.tiered is not None:  # the host tier now; its backup thread writes the L3 through
+            for lo, chunk, kv in self._chunks(keys):
+                self.tiered.put(chunk, kv, prefix=[*prefix, *keys[:lo]])
+            return []
         if self.engine is None:
-            if self.tiered is not None:
-                for _, chunk, kv in self._chunks(keys):
-                    self.tiered.put(chunk, kv)
             return []
         placed: list[str] = []
         runs = signals.write(prefix, keys, self.cfg.page_tokens)
@@ -158,10 +178,10 @@ class Storage:
             yield lo, chunk, kv
 
     def close(self) -> None:
+        if self.tiered is not None:  # first: its backup thread may still be writing into the engine
+            self.tiered.close()
         if self.engine is not None:
             self.engine.close()
-        if self.tiered is not None:
-            self.tiered.close()
 
 
 def real_l3(cfg: EmulatorConfig, root: Path) -> PageStore | None:
@@ -169,7 +189,7 @@ def real_l3(cfg: EmulatorConfig, root: Path) -> PageStore | None:
     if cfg.l3 == "hicache-file":
         from flatcake.loadgen.systems.sglang import HiCacheFilePages
 
-        return HiCacheFilePages(root / "hicache", cfg.layers, cfg.page_bytes)
+        return HiCacheFilePages(root / "hicache", cfg.layers, cfg.page_bytes, drop_page_cache=cfg.drop_page_cache)
     if cfg.l3 == "hicache-mooncake":
         from flatcake.loadgen.systems.mooncake import MooncakePages
 
@@ -181,7 +201,7 @@ def engine_config(cfg: EmulatorConfig, root: Path) -> EngineConfig:
     files = max(4, cfg.ssd_bytes // cfg.scope_file_bytes)
     return EngineConfig(
         layers=cfg.layers, page_bytes=cfg.page_bytes, page_tokens=cfg.page_tokens,
-        dram=DramConfig(bytes=cfg.dram_bytes, huge_pages=False, shm_dir=str(root), name="emulator-dram"),
+        dram=DramConfig(bytes=cfg.l3_dram_bytes, huge_pages=False, shm_dir=str(root), name="emulator-dram"),
         ssd=SsdConfig(dir=str(root / "pool"), file_bytes=cfg.scope_file_bytes, file_count=files),
         io=IOConfig(backend="posix", workers=2, staging_slot_bytes=max(cfg.page_bytes, 2 * MiB)),
         placement=PlacementConfig(mode=cfg.placement),

@@ -141,7 +141,7 @@ def collect(runs_dir: str | Path) -> dict[str, Any]:
     labels = meta.get("labels", {})
     summary = [
         {"system": labels.get(name, {}).get("system", name), "scheduler": labels.get(name, {}).get("scheduler"),
-         "placement": labels.get(name, {}).get("placement"),
+         "placement": labels.get(name, {}).get("placement"), "rules": labels.get(name, {}).get("rules"),
          "label": name, "qps": r["qps"], "repeats": r["repeats"],
          **{f: r["spread"][f] for f in ("delivered_hit_rate", "ttft_mean_s", "ttft_p99_s")},
          "dram_hit_share": r["dram_hit_share"], "saturated": r["saturated"]}
@@ -150,8 +150,17 @@ def collect(runs_dir: str | Path) -> dict[str, Any]:
     return {
         "meta": meta, "systems": systems, "summary": summary, "verdicts": verdicts(systems),
         "ideal_hit_rate": meta.get("ideal_hit_rate_pages"), "model": meta.get("model"),
-        "calibration": meta.get("calibration"),
+        "calibration": _calibration(meta), "systems_run": meta.get("systems_run", {}),
     }  # fmt: skip
+
+
+def _calibration(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The model's calibration, with how each system's storage reads meet the OS page cache."""
+    calibration = meta.get("calibration")
+    run = meta.get("systems_run") or {}
+    if run:
+        calibration = {**(calibration or {}), "page_cache": {n: r.get("page_cache") for n, r in run.items()}}
+    return calibration
 
 
 def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:

@@ -246,7 +246,7 @@ class System:
 
 
 class FlatCake(System):
-    name = "flatcake"
+    name = "flatcake-native"
 
     def __init__(self, c: Cluster, loop: EventLoop) -> None:
         super().__init__(c, loop)
@@ -700,7 +700,7 @@ class Tiered(System):
 
 
 def make(name: str, c: Cluster, loop: EventLoop) -> System:
-    if name == "flatcake":
+    if name == "flatcake-native":
         return FlatCake(c, loop)
     if name in ("dram", "tiered"):
         return Tiered(c, loop, l3=name == "tiered")

@@ -134,14 +134,15 @@ _TTFT = ("ttft_mean_s", "mean TTFT (s)")
 _PREFETCH = ("mean_prefetch_s", "mean prefetch (s)")
 _CMDS = ("read_commands_per_page", "SSD commands per restored page")
 SWEEPS = {
-    "dram-ssd": Sweep("dram-ssd", "DRAM share of the storage budget (%)", ("flatcake", "tiered"),
+    "dram-ssd": Sweep("dram-ssd", "DRAM share of the storage budget (%)", ("flatcake-native", "tiered"),
                       (_HIT, _TTFT, ("ttft_p99_s", "P99 TTFT (s)")), _dram_ssd),
-    "placement": Sweep("placement", "threshold scale (L_agent, τ, short reply x this)", ("flatcake",),
+    "placement": Sweep("placement", "threshold scale (L_agent, τ, short reply x this)", ("flatcake-native",),
                        (("dram_placed_share", "pages placed in DRAM (share)"), _HIT, _TTFT), _placement, log_x=True),
-    "gap": Sweep("gap", "Δgap (KiB)", ("flatcake",), (_CMDS, ("read_amplification", "SSD read amplification"),
+    "gap": Sweep("gap", "Δgap (KiB)", ("flatcake-native",), (_CMDS, ("read_amplification", "SSD read amplification"),
                                                          _PREFETCH, _TTFT), _gap),
-    "staging": Sweep("staging", "staging slot (MiB)", ("flatcake",), (_CMDS, _PREFETCH, _TTFT), _staging, log_x=True),
-    "long-sessions": Sweep("long-sessions", "turns per session", ("flatcake", "tiered"),
+    "staging": Sweep("staging", "staging slot (MiB)", ("flatcake-native",), (_CMDS, _PREFETCH, _TTFT), _staging,
+                     log_x=True),
+    "long-sessions": Sweep("long-sessions", "turns per session", ("flatcake-native", "tiered"),
                            (_CMDS, _PREFETCH, _TTFT, _HIT), _long_sessions, log_x=True),
 }  # fmt: skip
 

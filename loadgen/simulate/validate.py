@@ -38,7 +38,7 @@ from flatcake.loadgen.traces.formats import BUNDLED_TRACE
 from flatcake.node_agent import ChainSignals
 
 # Simulated system -> the emulator mode that runs the same rules on real storage.
-EMULATED = {"flatcake": "flatcake", "tiered": "tiered", "dram": "dram"}
+EMULATED = {"flatcake-native": "flatcake-native", "tiered": "tiered", "dram": "dram"}
 SIZES = ("hbm_bytes", "dram_bytes", "ssd_bytes", "scope_file_bytes", "prefetchers")
 HIT_POINTS = 2.0
 TTFT_RATIO = 0.15
@@ -51,7 +51,7 @@ class ValidateConfig:
     qps: float = 2.0
     model: str = "dsv4-flash"
     gpu: str = "a100"
-    systems: tuple[str, ...] = ("flatcake",)
+    systems: tuple[str, ...] = ("flatcake-native",)
 
     def check(self) -> None:
         unknown = sorted(set(self.systems) - set(EMULATED))
@@ -69,7 +69,7 @@ def measure_storage(emu: EmulatorConfig, work: Path) -> devices.DeviceProfile:
     concurrent restores as the emulator runs (FlatCake's prefetchers; tiered's one I/O thread), and DRAM
     hits: pages stored in DRAM (FlatCake: a shared prompt; tiered: the host tier) restored first."""
     cfg = dataclasses.replace(emu, data_dir=str(work), agent_socket=None)
-    concurrency = cfg.prefetchers if cfg.mode == "flatcake" else 1
+    concurrency = cfg.prefetchers if cfg.mode == "flatcake-native" else 1
     n = 2 * concurrency
     ssd_pages = cfg.ssd_bytes // cfg.page_span
     pages = max(1, min(64, ssd_pages // (2 * n)))

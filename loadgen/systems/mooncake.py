@@ -521,6 +521,14 @@ class MooncakePages:
     def set(self, key: Key, page: Array) -> bool:
         return self.set_many([key], [page]) == [True]
 
+    def exists(self, keys: Sequence[Key]) -> int:
+        """SGLang's Mooncake backend's ``batch_exists``: ``batch_is_exist``, the leading run of hits."""
+        found = self.system._store.batch_is_exist([str(k) for k in keys])
+        n = 0
+        while n < len(found) and found[n] == 1:
+            n += 1
+        return n
+
     def get(self, key: Key, into: Array) -> bool:
         return self.get_many([key], [into]) == [True]
 

@@ -18,6 +18,7 @@ host pages back into the benchmark's ``[layers][pages][page_bytes]`` layout for 
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -330,9 +331,13 @@ class HiCacheFilePages:
     """SGLang's ``HiCacheFile`` as the tiered cache's L3 (``TieredStore(l3=...)``, the emulator's
     ``--l3 hicache-file``): one file per page under ``directory``, written with ``set`` (buffered
     ``tofile`` to a temporary name, renamed into place) and read with ``get`` (``readinto`` the page),
-    the calls SGLang's cache controller makes for this backend one page at a time."""
+    the calls SGLang's cache controller makes for this backend one page at a time; ``exists`` is its
+    ``batch_exists`` (a stat per page). ``drop_page_cache``: once a page file is written it is synced and
+    dropped from the OS page cache (``POSIX_FADV_DONTNEED``), so reads hit the device as the other
+    systems' O_DIRECT reads do, rather than memory beyond the DRAM budget; the sync runs on the
+    caller's thread (SGLang's backup thread), off the request path."""
 
-    def __init__(self, directory: Path, layers: int, page_bytes: int) -> None:
+    def __init__(self, directory: Path, layers: int, page_bytes: int, drop_page_cache: bool = True) -> None:
         self.torch, _ = _import_sglang()
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
@@ -344,10 +349,32 @@ class HiCacheFilePages:
         )  # fmt: skip
         self.backend = HiCacheFile(config)
         self.page_span = layers * page_bytes
+        self.drop_page_cache = drop_page_cache
+        self.dropped = 0  # page files dropped from the page cache
 
     def set(self, key: Key, page: Array) -> bool:
         flat = self.torch.from_numpy(np.ascontiguousarray(page).reshape(-1))
-        return bool(self.backend.set(str(key), flat))
+        ok = bool(self.backend.set(str(key), flat))
+        if ok and self.drop_page_cache:
+            self._drop(str(key))
+        return ok
+
+    def _drop(self, key: str) -> None:
+        # HiCacheFile's file name for a key (hicache_storage.py: file_path / f"{suffixed key}.bin").
+        path = Path(self.backend.file_path) / f"{self.backend._get_suffixed_key(key)}.bin"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # evicted by its own LRU already
+            return
+        try:
+            os.fdatasync(fd)  # dirty pages are not dropped: write them first
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            self.dropped += 1
+        finally:
+            os.close(fd)
+
+    def exists(self, keys: Sequence[Key]) -> int:
+        return int(self.backend.batch_exists([str(k) for k in keys]))
 
     def get(self, key: Key, into: Array) -> bool:
         got = self.backend.get(str(key), self.torch.from_numpy(into.reshape(-1)))

@@ -1,5 +1,11 @@
-"""The tiered baseline: a DRAM LRU (L2) whose evictions append to an SSD log (L3) in eviction order;
-SSD space is reclaimed in fixed-size buckets, oldest first (Mooncake-style). A restore stages the
+"""The tiered baseline: a DRAM LRU (L2) over an SSD log (L3). Pages are written through, as SGLang 0.5.23
+does by default (``--hicache-write-policy write_through``, ``srt/arg_groups/fields/memory.py``): each
+new page enters the host tier at once and is queued for the L3 on a backup thread of its own
+(``managers/cache_controller.py`` ``write_storage`` → ``backup_thread_func``), apart from the prefetch
+thread; until its backup is done the page is held in the host tier (``unified_radix_cache.py``
+``write_backup_storage`` takes a host lock that the backup's ack releases). Host evictions then
+drop pages, which the L3 already holds. SSD space is reclaimed in fixed-size buckets, oldest first
+(Mooncake-style). A restore stages the
 whole request in host memory (``O(context)``), then copies out. For measurement only, with real I/O
 through the same O_DIRECT primitives FlatCake uses.
 
@@ -10,15 +16,20 @@ page-layer: the fragmented access the paper measures, kept as ``tiered-naive``).
 The L3 may instead be a real storage backend (``l3=``, a ``PageStore``: SGLang's ``HiCacheFile``, one
 file per page, in ``loadgen/systems/sglang.py``; Mooncake Store, ``mooncake.py``): evicted pages are
 written through it and prefetched pages read back through it, whole pages, as SGLang's I/O thread
-calls a backend (a batch a call where the backend takes batches, else a page at a time).
+calls a backend (a batch a call where the backend takes batches, else a page at a time); lookups past
+the host tier ask it (``exists``), costing what the backend's ``batch_exists`` costs. FlatCake's
+backend (``flatcake_pages.py``) is a ``ChainPageStore``: it is told each call's prefix keys, as SGLang
+tells a backend that asks for them, and reads in place into the host rows.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -38,6 +49,24 @@ class PageStore(Protocol):
 
     def set(self, key: Key, page: Array) -> bool: ...
     def get(self, key: Key, into: Array) -> bool: ...
+
+
+@runtime_checkable
+class ExistsPageStore(PageStore, Protocol):
+    """An L3 asked what it holds (the backend's ``batch_exists``: the stored prefix's length)."""
+
+    def exists(self, keys: Sequence[Key]) -> int: ...
+
+
+@runtime_checkable
+class ChainPageStore(PageStore, Protocol):
+    """An L3 told the key chain before each call's keys (SGLang's ``prefix_keys``, for a backend that asks
+    for them), written ``[layers][pages][page_bytes]`` a batch at a time and read in place into rows of a
+    page-major host buffer."""
+
+    def exists_after(self, prefix: Sequence[Key], keys: Sequence[Key]) -> int: ...
+    def set_after(self, prefix: Sequence[Key], keys: Sequence[Key], kv: Array) -> bool: ...
+    def get_rows(self, keys: Sequence[Key], staging: Array, rows: Sequence[int]) -> list[bool]: ...
 
 
 @runtime_checkable
@@ -118,11 +147,30 @@ class TieredStore:
         self.counters = RestoreCounters()
         self.reclaimed_buckets = 0
         self.invalidated_pages = 0
-        self.dropped_pages = 0
+        self.dropped_pages = 0  # evicted from the host tier with no L3 copy
+        self.failed_backups = 0  # pages the L3 did not take
+        # Write-through: a backup thread of its own writes each put's pages to the L3 (none without one);
+        # pages queued there are held in the host tier (SGLang's host lock until the backup's ack).
+        self._pending: dict[Key, int] = {}
+        self._backups: set[Future[None]] = set()
+        self._backup = ThreadPoolExecutor(1, thread_name_prefix="tiered-backup") if buckets or l3 is not None else None
 
-    def put(self, keys: Sequence[Key], kv: Array) -> None:
-        """New pages always enter DRAM; whatever falls off the LRU end goes to the SSD log."""
-        self._insert(keys, [np.ascontiguousarray(kv[:, i]) for i in range(len(keys))])
+    def put(self, keys: Sequence[Key], kv: Array, prefix: Sequence[Key] = ()) -> None:
+        """New pages enter the host tier now; with an L3 their backup is queued on the backup thread
+        (write-through) and they are held in the host tier until it is done. ``prefix``: the keys before
+        ``keys`` in their chain (what SGLang passes a backend as ``prefix_keys``)."""
+        pages = [np.ascontiguousarray(kv[:, i]) for i in range(len(keys))]
+        if self._backup is None:
+            self._insert(keys, pages)
+            return
+        with self._lock:
+            for key in keys:
+                self._pending[key] = self._pending.get(key, 0) + 1
+        self._insert(keys, pages)
+        done = self._backup.submit(self._back_up, list(prefix), list(keys), pages)
+        with self._lock:
+            self._backups.add(done)
+        done.add_done_callback(self._backed_up)
 
     def promote(self, keys: Sequence[Key], pages: Array) -> None:
         """Pages read back from SSD enter DRAM (SGLang inserts a finished prefetch into its host tier);
@@ -132,32 +180,100 @@ class TieredStore:
     def _insert(self, keys: Sequence[Key], pages: list[Array]) -> None:
         # Deepest page first, so a prefix is more recent than its tail: eviction takes leaves first, as
         # SGLang's radix tree evicts (a page without its prefix is of no use).
-        for key, page in reversed(list(zip(keys, pages, strict=True))):
-            with self._lock:
+        with self._lock:
+            for key, page in reversed(list(zip(keys, pages, strict=True))):
                 if key in self.l2:
                     self.l2.move_to_end(key)
                     continue
                 self.l2[key] = page
-                victims = self._pop_victims()
-            self._write_back(victims)
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop least recently used pages past the host tier's size, skipping those whose backup is still
+        queued. Called under the lock. Written through, a dropped page is in the L3 already (or its
+        backup failed: then it is gone, as in SGLang)."""
+        excess = len(self.l2) - self.dram_pages
+        if excess <= 0:
+            return
+        for key in list(itertools.islice(self.l2, excess + len(self._pending))):
+            if excess <= 0:
+                break
+            if key in self._pending:
+                continue
+            del self.l2[key]
+            excess -= 1
+            if key not in self.l3:
+                self.dropped_pages += 1
+
+    def _back_up(self, prefix: list[Key], keys: list[Key], pages: list[Array]) -> None:
+        """The backup thread's work for one put: the pages into the L3, then published."""
+        stored: list[bool] = []
+        try:
+            if isinstance(self.store, ChainPageStore):  # the whole chain: the backend skips what it holds
+                kv = aligned_empty((self.layers, len(keys), self.page_bytes))
+                for j, page in enumerate(pages):
+                    kv[:, j] = page
+                stored = [self.store.set_after(prefix, keys, kv)] * len(keys)
+            else:
+                with self._lock:
+                    todo = [j for j, key in enumerate(keys) if key not in self.l3]
+                if self.store is not None:
+                    ok = _l3_write(self.store, [keys[j] for j in todo], [pages[j] for j in todo])
+                else:
+                    ok = [self._log_write(keys[j], pages[j]) for j in todo]
+                stored = [True] * len(keys)
+                for j, good in zip(todo, ok, strict=True):
+                    stored[j] = good
+        except Exception:  # a failed backup loses the pages' L3 copy, never the caller's thread
+            stored = [False] * len(keys)
+        finally:
+            with self._lock:
+                for key, good in zip(keys, stored or [False] * len(keys), strict=True):
+                    if good and self.store is not None:
+                        self.l3[key] = (-1, 0)
+                    elif not good:
+                        self.failed_backups += 1
+                    n = self._pending.get(key, 0) - 1
+                    if n > 0:
+                        self._pending[key] = n
+                    else:
+                        self._pending.pop(key, None)
+                self._evict()
+
+    def _backed_up(self, done: Future[None]) -> None:
+        with self._lock:
+            self._backups.discard(done)
+
+    def _log_write(self, key: Key, page: Array) -> bool:
+        """One page appended to the SSD log (the idealized L3), published if its bucket was not reused."""
+        with self._lock:
+            bucket, offset, gen = self._reserve()
+        buf = aligned_empty(self.page_span)
+        buf.reshape(self.layers, self.page_bytes)[...] = page
+        self.io.submit_write(0, bucket, offset, [buf]).result()
+        with self._lock:
+            if self._bucket_gen[bucket] == gen:
+                self.l3[key] = (bucket, offset)
+                self._bucket_keys[bucket].append(key)
+        return True
+
+    def drain(self) -> None:
+        """Wait until every queued backup is done."""
+        while True:
+            with self._lock:
+                pending = list(self._backups)
+            if not pending:
+                return
+            for done in pending:
+                done.exception()
 
     def flush(self) -> None:
         """Evict everything from DRAM, as sustained pressure would; restores then come from SSD."""
+        self.drain()
         with self._lock:
             saved, self.dram_pages = self.dram_pages, 0
-            victims = self._pop_victims()
+            self._evict()
             self.dram_pages = saved
-        self._write_back(victims)
-
-    def _pop_victims(self) -> list[tuple[Key, Array, tuple[int, int, int]]]:
-        victims = []
-        while len(self.l2) > self.dram_pages:
-            key, page = self.l2.popitem(last=False)
-            if not self.buckets and self.store is None:
-                self.dropped_pages += 1
-            elif key not in self.l3:  # a promoted page is still on SSD: nothing to write
-                victims.append((key, page, self._reserve() if self.store is None else (-1, 0, 0)))
-        return victims
 
     def _reserve(self) -> tuple[int, int, int]:
         if self._cursor + self.page_span > self.bucket_bytes:
@@ -175,40 +291,64 @@ class TieredStore:
         self._cursor += self.page_span
         return slot
 
-    def _write_back(self, victims: list[tuple[Key, Array, tuple[int, int, int]]]) -> None:
-        if self.store is not None and victims:
-            stored = _l3_write(self.store, [k for k, _, _ in victims], [p for _, p, _ in victims])
-            with self._lock:
-                for (key, _, _), ok in zip(victims, stored, strict=True):
-                    if ok:
-                        self.l3[key] = (-1, 0)
-            return
-        for key, page, (bucket, offset, gen) in victims:
-            buf = aligned_empty(self.page_span)
-            buf.reshape(self.layers, self.page_bytes)[...] = page
-            self.io.submit_write(0, bucket, offset, [buf]).result()
-            with self._lock:
-                if self._bucket_gen[bucket] == gen:
-                    self.l3[key] = (bucket, offset)
-                    self._bucket_keys[bucket].append(key)
-
     def exists(self, keys: Sequence[Key]) -> int:
-        with self._lock:
-            return self._exists(keys)
+        return len(self.media(keys))
 
-    def _exists(self, keys: Sequence[Key]) -> int:
-        for i, key in enumerate(keys):
-            if key not in self.l2 and key not in self.l3:
-                return i
-        return len(keys)
-
-    def media(self, keys: Sequence[Key]) -> list[str]:
-        """Where each page of the stored prefix is: "dram" (L2) or "ssd" (L3)."""
+    def hold(self, keys: Sequence[Key], delta: int = 1) -> None:
+        """Hold host-tier pages (``delta`` 1) or let them go (-1): a waiting request's matched host pages are
+        locked until it is scheduled (SGLang's ``inc_lock_ref`` on the matched node), so its own prefetch,
+        entering the host tier, cannot evict them."""
         with self._lock:
-            return ["dram" if key in self.l2 else "ssd" for key in keys[: self._exists(keys)]]
+            for key in keys:
+                n = self._pending.get(key, 0) + delta
+                if n > 0:
+                    self._pending[key] = n
+                else:
+                    self._pending.pop(key, None)
+            if delta < 0:
+                self._evict()
+
+    def host_prefix(self, keys: Sequence[Key]) -> int:
+        """How many leading pages of ``keys`` the host tier holds."""
+        with self._lock:
+            n = 0
+            while n < len(keys) and keys[n] in self.l2:
+                n += 1
+            return n
+
+    def media(self, keys: Sequence[Key], prefix: Sequence[Key] = ()) -> list[str]:
+        """Where each page of the stored prefix is: "dram" (L2) or "ssd" (L3). The idealized log answers
+        from its index, anywhere in the prefix; a real L3 is asked past the host tier's prefix, as
+        SGLang's storage hit query asks its backend (``_storage_hit_query``: ``STORAGE_BATCH_SIZE`` keys
+        a call, stopping at the first short answer), costing what the backend's lookup costs."""
+        with self._lock:
+            if self.store is None or not isinstance(self.store, ExistsPageStore | ChainPageStore):
+                n = 0
+                while n < len(keys) and (keys[n] in self.l2 or keys[n] in self.l3):
+                    n += 1
+                return ["dram" if key in self.l2 else "ssd" for key in keys[:n]]
+            host = 0
+            while host < len(keys) and keys[host] in self.l2:
+                host += 1
+        chain, hit = [*prefix, *keys[:host]], 0
+        for lo in range(host, len(keys), STORAGE_BATCH_PAGES):
+            batch = keys[lo : lo + STORAGE_BATCH_PAGES]
+            if isinstance(self.store, ChainPageStore):
+                got = self.store.exists_after(chain, batch)
+            else:
+                got = self.store.exists(batch)
+            hit += got
+            if got < len(batch):
+                break
+            chain += batch
+        return ["dram"] * host + ["ssd"] * hit
 
     def restore(self, keys: Sequence[Key], dest: Array) -> int:
         """Restore into ``dest[layer, i]``; returns pages missing."""
+        return len(self.restore_pages(keys, dest))
+
+    def restore_pages(self, keys: Sequence[Key], dest: Array) -> set[int]:
+        """Restore into ``dest[layer, i]``; returns the indexes of the pages missing."""
         n, pb = len(keys), self.page_bytes
         c = self.counters
         started = time.perf_counter()
@@ -219,7 +359,9 @@ class TieredStore:
             # tree's leaves), so the prefix is touched last.
             for i in sorted(in_dram, reverse=True):
                 self.l2.move_to_end(keys[i])
-            on_ssd = {i: self.l3[k] for i, k in enumerate(keys) if i not in in_dram and k in self.l3}
+            # A real L3 is asked for every page the host tier lacks (its lookup said it holds them).
+            on_ssd = {i: self.l3.get(k, (-1, 0)) for i, k in enumerate(keys)
+                      if i not in in_dram and (self.store is not None or k in self.l3)}  # fmt: skip
         missing = {i for i in range(n) if i not in in_dram and i not in on_ssd}
         if self.reader == "whole_page":
             # Page-major staging, as the log stores pages: one read per page brings all its layers.
@@ -239,8 +381,13 @@ class TieredStore:
                         reads.append((i, (bucket, offset + layer * pb), staging[layer, i]))
         c.staging_peak_bytes = max(c.staging_peak_bytes, staging.nbytes)
         if self.store is not None:
-            arrived, commands = _l3_read(self.store, [keys[i] for i, _, _ in reads], [buf for _, _, buf in reads])
-            c.read_commands += commands
+            rows = [i for i, _, _ in reads]
+            if isinstance(self.store, ChainPageStore):  # in place, into the host rows
+                arrived = self.store.get_rows([keys[i] for i in rows], staging, rows) if rows else []
+                c.read_commands += -(-len(rows) // STORAGE_BATCH_PAGES)
+            else:
+                arrived, commands = _l3_read(self.store, [keys[i] for i in rows], [buf for _, _, buf in reads])
+                c.read_commands += commands
             for (i, _, buf), ok in zip(reads, arrived, strict=True):
                 if ok:
                     c.bytes_read += buf.nbytes
@@ -258,8 +405,9 @@ class TieredStore:
             c.bytes_read += max(got, 0)
             if got != want:
                 missing.add(i)
-        with self._lock:  # a bucket reclaimed while it was read may hold another page's bytes now
-            missing.update(i for i, loc in on_ssd.items() if self.l3.get(keys[i]) != loc)
+        if self.store is None:
+            with self._lock:  # a bucket reclaimed while it was read may hold another page's bytes now
+                missing.update(i for i, loc in on_ssd.items() if self.l3.get(keys[i]) != loc)
         c.bytes_requested += n * self.layers * pb
         c.dram_pages += len(in_dram)
         # The prefix is in the host pool now; copying it into the benchmark's layer-major buffer is not timed.
@@ -268,9 +416,11 @@ class TieredStore:
             c.requests.append(RequestTiming(took, took))
         dest[:, :n] = staging.transpose(1, 0, 2) if self.reader == "whole_page" else staging
         c.missing += len(missing)
-        return len(missing)
+        return missing
 
     def close(self) -> None:
+        if self._backup is not None:
+            self._backup.shutdown(wait=True)
         self.io.close()
         close = getattr(self.store, "close", None)  # a real L3 with processes of its own (Mooncake's master)
         if close is not None:
@@ -303,6 +453,7 @@ class TieredSystem(StoreSystem):
     def prepare(self) -> None:
         if self.flush_dram:
             self.store.flush()
+        self.store.drain()  # written through: every put's backup is done before restores are timed
         super().prepare()
 
 

@@ -138,13 +138,19 @@ def test_end_to_end_through_locust_then_the_report(tmp_path: Path) -> None:
     for name in report["plots"]:
         png = tmp_path / name
         assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5_000
-    assert (tmp_path / "report.md").read_text().count("| flatcake |") == 1
+    assert (tmp_path / "report.md").read_text().count("| flatcake | 6.0 |") == 1
     assert "<table>" in (tmp_path / "report.html").read_text()
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["meta"]["requests"] == 12 and saved["model"] == "dsv4-flash"
     assert saved["calibration"]["gpu"] == "a100" and saved["calibration"]["sources"]
     rows = {row["system"]: row for row in saved["summary"]}
-    assert set(rows) == {"flatcake", "recompute"} and rows["flatcake"]["scheduler"] == "mas"
+    # FlatCake as it ships runs under SGLang's rules (its FCFS scheduler); the report says whose rules.
+    assert set(rows) == {"flatcake", "recompute"} and rows["flatcake"]["scheduler"] == "fcfs"
+    assert rows["flatcake"]["rules"] == "sglang"
+    run = saved["systems_run"]["flatcake"]
+    assert run["l3"] == "flatcake" and run["late_pages"] == "recomputed" and run["host_tier_bytes"] > 0
+    assert saved["calibration"]["page_cache"]["flatcake"].startswith("bypassed")
+    assert "| flatcake | sglang | flatcake |" in (tmp_path / "report.md").read_text()
     for row in rows.values():  # what the checks read, spreads over (here one) repeat
         assert set(row["delivered_hit_rate"]) == {"min", "median", "max"} and row["repeats"] == 1
         assert isinstance(row["saturated"], bool) and 0 <= row["dram_hit_share"] <= 1
@@ -185,10 +191,13 @@ def test_report_names_the_context_of_runs_made_elsewhere(tmp_path: Path) -> None
 
 
 def test_the_placement_ablation_runs_flatcake_once_per_mode(tmp_path: Path) -> None:
-    cfg = e2e.E2EConfig(systems=("flatcake", "tiered"), schedulers=("mas", "fcfs"), placements=("table2", "adaptive"),
-                        repeats=1)  # fmt: skip
+    """Placement modes run for both FlatCakes; the scheduler ablation only for the native what-if (FlatCake as it
+    ships is scheduled by SGLang)."""
+    cfg = e2e.E2EConfig(systems=("flatcake", "flatcake-native", "tiered"), schedulers=("mas", "fcfs"),
+                        placements=("table2", "adaptive"), repeats=1)  # fmt: skip
     labels = sorted({p.label for p in e2e.points(cfg, (2.0,))})
-    assert labels == ["flatcake", "flatcake-adaptive", "flatcake-fcfs", "flatcake-fcfs-adaptive", "tiered"]
+    assert labels == ["flatcake", "flatcake-adaptive", "flatcake-native", "flatcake-native-adaptive",
+                      "flatcake-native-fcfs", "flatcake-native-fcfs-adaptive", "tiered"]  # fmt: skip
     with pytest.raises(ValueError, match="placements: 'lru' is not one of table2, adaptive"):
         e2e.E2EConfig(placements=("lru",))
     # The mode reaches the engine the emulator (or the point's node agent) runs.

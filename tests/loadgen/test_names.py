@@ -21,7 +21,10 @@ def test_each_bench_runs_the_registrys_names() -> None:
     assert names.names("context") == context.SYSTEMS
     assert names.names("simulate") == simulated.SYSTEMS
     # e2e's systems each map to an emulator mode; the stored systems of context are peers' systems.
-    assert all(e2e.EMULATE.get(s, (s, "log"))[0] in ("flatcake", "tiered", "dram", "none") for s in e2e.SYSTEMS)
+    assert all(
+        e2e.EMULATE.get(s, (s, "log"))[0] in ("flatcake", "flatcake-native", "tiered", "dram", "none")
+        for s in e2e.SYSTEMS
+    )
     assert set(context.STORED) <= set(peers.PEERS)
 
 
@@ -33,8 +36,13 @@ def test_earlier_spellings_map_and_a_wrong_name_says_where_it_runs() -> None:
     with pytest.raises(ConfigError, match=r"--systems: 'per-block' is not a system of e2e; choose from flatcake,.*"
                        r"\(per-block runs in: restore\)"):  # fmt: skip
         names.resolve("e2e", ["per-block"], "--systems")
-    with pytest.raises(ConfigError, match="'nope' is not a system of simulate; choose from flatcake,tiered,dram$"):
+    with pytest.raises(
+        ConfigError, match="'nope' is not a system of simulate; choose from flatcake-native,tiered,dram$"
+    ):
         names.resolve("simulate", ["nope"])
+    # The simulator models the paper's engine-integrated FlatCake only: asking it for FlatCake as it ships says so.
+    with pytest.raises(ConfigError, match=r"'flatcake' is not a system of simulate.*\(flatcake runs in: peers, e2e"):
+        names.resolve("simulate", ["flatcake"])
 
 
 def test_names_are_unique_and_spelled_one_way() -> None:

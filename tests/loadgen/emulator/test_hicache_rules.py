@@ -116,11 +116,22 @@ def test_wait_complete_never_starts_prefill_before_its_prefetch_ends(tmp_path: P
     assert out.hit_pages["ssd"] == 5 and out.declined_pages == 0
 
 
-def test_timeout_starts_prefill_after_sglangs_timeout_and_recomputes(tmp_path: Path) -> None:
-    emu = Emulator(_config(tmp_path, "tiered", prefetch_policy="timeout"))
+@pytest.mark.parametrize("mode", ["tiered", "flatcake"])
+def test_timeout_starts_prefill_after_sglangs_timeout_and_recomputes(tmp_path: Path, mode: str) -> None:
+    """Under SGLang's rules (the baselines, and FlatCake as it ships as SGLang's L3) a prefetch the timeout
+    stopped is not finished at dispatch: its pages are recomputed, never read from storage inline."""
+    emu = Emulator(_config(tmp_path, mode, prefetch_policy="timeout"))
     tokens = _prompt(0, 5)
-    _store_on_ssd(emu, tokens)
+    stored = _store_on_ssd(emu, tokens)
     gate = Gate(emu, lambda keys, promote: promote)
+    reads: list[tuple[list[str], bool]] = []
+    gated = emu.storage.restore
+
+    def seen(keys: list[str], promote: bool = False, dest: Any = None) -> tuple[int, list[float]]:
+        reads.append((list(keys), promote))
+        return gated(keys, promote, dest)
+
+    emu.storage.restore = seen  # type: ignore[method-assign]
 
     async def scenario() -> Outcome:
         request = asyncio.create_task(emu.prefill(tokens))
@@ -133,6 +144,8 @@ def test_timeout_starts_prefill_after_sglangs_timeout_and_recomputes(tmp_path: P
     assert out.prefill_start - out.arrival >= hicache.timeout_s(5, PT)
     assert not gate.opened_at or gate.opened_at > out.prefill_start
     assert out.hit_pages["ssd"] == 0 and out.unprefetched_pages == 5  # recomputed, as SGLang would
+    # The only storage read of those pages was the prefetch's (a late read inline would be a second).
+    assert [promote for keys, promote in reads if set(keys) & set(stored)] == [True]
 
 
 def test_best_effort_takes_what_has_arrived_without_waiting(tmp_path: Path) -> None:
@@ -188,7 +201,7 @@ def test_dram_ready_requests_run_while_an_ssd_one_prepares(tmp_path: Path, polic
     """The paper's Figure 4: a long SSD-bound request arrives first, then short ones that need nothing
     from SSD. FC-MAS prefills the short ones while the long one's restore runs, and so does SGLang's
     FCFS, which skips a request still prefetching (the paper's FCFS held them behind it)."""
-    emu = Emulator(_config(tmp_path, "flatcake", scheduler=policy, dram_bytes=4 << 20))
+    emu = Emulator(_config(tmp_path, "flatcake-native", scheduler=policy, dram_bytes=4 << 20))
     long = _prompt(0, 6)
     _store_on_ssd(emu, long)
     gate = Gate(emu, lambda keys, promote: keys == page_keys(long, PT))  # the SSD request's prefetch
@@ -236,7 +249,7 @@ def test_a_missed_lookup_is_asked_again_eight_passes_later(tmp_path: Path) -> No
     assert out.hit_pages["ssd"] == 5 and out.unprefetched_pages == 0
 
 
-@pytest.mark.parametrize("mode", ["flatcake", "tiered"])
+@pytest.mark.parametrize("mode", ["flatcake-native", "tiered"])
 def test_prepared_pages_wait_in_bounded_host_staging_not_hbm(tmp_path: Path, mode: str) -> None:
     """Issue 27: a request's pages read from SSD before its dispatch wait in host staging, never in HBM
     (where they would evict other sessions' prefixes), for both sides; the tokens prepared are bounded
@@ -260,7 +273,7 @@ def test_prepared_pages_wait_in_bounded_host_staging_not_hbm(tmp_path: Path, mod
         await async_wait_until(lambda: _async(emu.staging_tokens == 0 and not emu.waiting and not emu._jobs),
                                what="the blocker to be scheduled")  # fmt: skip
         tasks = [asyncio.create_task(emu.prefill(p)) for p in prompts]
-        jobs = emu._jobs.values() if mode == "flatcake" else emu.waiting
+        jobs = emu._jobs.values() if mode == "flatcake-native" else emu.waiting
 
         def one_prepared() -> bool:
             return len(jobs) == 3 and sum(len(j.held) == 6 for j in jobs) == 1
@@ -280,7 +293,7 @@ def test_prepared_pages_wait_in_bounded_host_staging_not_hbm(tmp_path: Path, mod
 
     outs = _run(emu, scenario)
     assert emu.staging_tokens == 0
-    if mode == "flatcake":  # it waits, never declines: every request gets its SSD pages
+    if mode == "flatcake-native":  # it waits, never declines: every request gets its SSD pages
         assert [o.hit_pages["ssd"] for o in outs] == [6, 6, 6]
     else:  # FCFS: the first arrival was the one prepared; its pages reached the prefill from staging
         assert outs[0].hit_pages["ssd"] == 6

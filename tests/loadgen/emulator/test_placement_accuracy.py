@@ -17,12 +17,12 @@ pytestmark = pytest.mark.integration
 
 
 def test_reused_and_lost_pages_are_counted_once_per_page(tmp_path: Path) -> None:
-    emu = Emulator(EmulatorConfig(mode="flatcake", data_dir=str(tmp_path / "emu"), dram_bytes=1 << 20,
+    emu = Emulator(EmulatorConfig(mode="flatcake-native", data_dir=str(tmp_path / "emu"), dram_bytes=1 << 20,
                                   ssd_bytes=32 << 20, scope_file_bytes=4 << 20))  # fmt: skip
     try:
         emu.placed.update({"a": "dram", "b": "ssd", "c": "dram", "d": "ssd"})
         for medium, n in (("dram", 4), ("ssd", 2)):  # as _store counts what it placed
-            emu.m["flatcake_placed_pages"].labels("flatcake", medium).inc(n)
+            emu.m["flatcake_placed_pages"].labels("flatcake-native", medium).inc(n)
         emu._mark_reused(["a", "b", "c", "x"], found=2)  # c was reclaimed: the stored prefix ends at b
         emu._mark_reused(["a", "b", "c", "d"], found=4)  # asked again: counted once; d is new and found
         prom = tmp_path / "emulator.prom"

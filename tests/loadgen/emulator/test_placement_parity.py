@@ -40,11 +40,11 @@ def mixed_trace(path: Path) -> str:
 
 def test_the_emulator_and_the_simulator_place_the_same_requests_alike(tmp_path: Path) -> None:
     trace = mixed_trace(tmp_path / "t.jsonl")
-    _, sim = simulate(small(trace, dram_bytes=64 * GiB, ssd_bytes=512 * GiB), "flatcake", None)
+    _, sim = simulate(small(trace, dram_bytes=64 * GiB, ssd_bytes=512 * GiB), "flatcake-native", None)
     assert isinstance(sim, FlatCake)
     want = sim.counters()["placements_pages"]
     page_tokens = sim.c.page_tokens
-    cfg = EmulatorConfig(mode="flatcake", data_dir=str(tmp_path / "emu"), page_tokens=page_tokens, layers=2,
+    cfg = EmulatorConfig(mode="flatcake-native", data_dir=str(tmp_path / "emu"), page_tokens=page_tokens, layers=2,
                          bytes_per_token_layer=16, dram_bytes=256 * MiB, ssd_bytes=1024 * MiB)  # fmt: skip
     storage = Storage(cfg)
     try:

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 
 def _policy(tmp_path: Path, socket: str | None, scheduler: str | None = None) -> str:
-    cfg = EmulatorConfig(mode="flatcake", data_dir=str(tmp_path / "emulator"), agent_socket=socket,
+    cfg = EmulatorConfig(mode="flatcake-native", data_dir=str(tmp_path / "emulator"), agent_socket=socket,
                          page_tokens=64, bytes_per_token_layer=64,  # the agent's 4 KiB pages of 4 layers
                          dram_bytes=4 << 20, ssd_bytes=32 << 20, scope_file_bytes=4 << 20,
                          scheduler=scheduler)  # fmt: skip

@@ -40,7 +40,7 @@ def sessions_trace(path: Path, sessions: int = 6, turns: int = 4, blocks_per_tur
 
 def test_flatcake_places_by_the_real_decide(tmp_path: Path) -> None:
     cfg = small(sessions_trace(tmp_path / "t.jsonl"))
-    _, sim = simulate(cfg, "flatcake", 1.0)
+    _, sim = simulate(cfg, "flatcake-native", 1.0)
     assert isinstance(sim, FlatCake) and sim.decisions
     fresh = [(h, m) for h, m, reason in sim.decisions if reason not in ("inherited", "dram_full")]
     assert fresh
@@ -58,7 +58,7 @@ def test_tiered_l2_hits_less_with_tiny_dram(tmp_path: Path) -> None:
 def test_flatcake_needs_fewer_read_commands_per_page_than_tiered_l3(tmp_path: Path) -> None:
     trace = sessions_trace(tmp_path / "t.jsonl")
     cfg = small(trace, dram_bytes=8 * GiB)  # the tiered host tier spills to its SSD log
-    fc, _ = simulate(cfg, "flatcake", 1.0)
+    fc, _ = simulate(cfg, "flatcake-native", 1.0)
     l3, _ = simulate(cfg, "tiered", 1.0)
     assert fc["ssd_read_commands"] and l3["ssd_read_commands"]
     assert fc["read_commands_per_page"] < l3["read_commands_per_page"] == 1.0
@@ -66,7 +66,7 @@ def test_flatcake_needs_fewer_read_commands_per_page_than_tiered_l3(tmp_path: Pa
 
 def test_same_seed_same_json(tmp_path: Path) -> None:
     cfg = small(sessions_trace(tmp_path / "t.jsonl"), dram_bytes=8 * GiB)
-    for system in ("flatcake", "tiered"):
+    for system in ("flatcake-native", "tiered"):
         a, _ = simulate(cfg, system, 0.5)
         b, _ = simulate(cfg, system, 0.5)
         a.pop("sim_wall_s"), b.pop("sim_wall_s")
@@ -78,7 +78,7 @@ def test_one_cold_request_costs_exactly_its_prefill(tmp_path: Path) -> None:
     write_trace(trace, [TraceRequest(0.0, 4096, 10, tuple(range(1, 9)), "s", 1, 512)])
     cfg = small(str(trace), gpu="h200")
     p = preset(cfg.model)
-    for system in ("flatcake", "dram", "tiered"):
+    for system in ("flatcake-native", "dram", "tiered"):
         r, _ = simulate(cfg, system, None)
         assert r["delivered_hit_rate"] == 0.0 and r["ideal_hit_rate"] == 0.0
         assert r["ttft_mean_s"] == pytest.approx(p.prefill_s(4096, 0, "h200"))
@@ -91,7 +91,7 @@ def test_bytes_placed_are_reclaimed_or_resident(tmp_path: Path) -> None:
     # SSD of 3 scope files per rank: sessions must be reclaimed whole to make room.
     cfg = small(sessions_trace(tmp_path / "t.jsonl", sessions=8, turns=3), dram_bytes=8 * MiB * 43,
                 ssd_bytes=8 * 3 * 256 * MiB)  # fmt: skip
-    r, sim = simulate(cfg, "flatcake", 1.0)
+    r, sim = simulate(cfg, "flatcake-native", 1.0)
     assert isinstance(sim, FlatCake)
     table: ScopeTable = sim.tables[0]
     assert table.reclaimed[Medium.SSD].scopes > 0
@@ -110,7 +110,7 @@ def test_tiered_l3_reclaims_its_log_by_bucket(tmp_path: Path) -> None:
 def test_the_same_inputs_give_the_same_json(tmp_path: Path) -> None:
     """No hidden randomness or wall-clock dependence: a what-if answer can be reproduced exactly."""
     cfg = small(sessions_trace(tmp_path / "t.jsonl", sessions=5, turns=3), dram_bytes=2 * GiB, ssd_bytes=8 * GiB)
-    for system in ("flatcake", "dram", "tiered"):
+    for system in ("flatcake-native", "dram", "tiered"):
         first, _ = simulate(cfg, system, 2.0)
         again, _ = simulate(cfg, system, 2.0)
         for r in (first, again):
@@ -179,7 +179,7 @@ def _burst_trace(path: Path, sessions: int = 8, blocks: int = 32) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("system", ["flatcake", "tiered"])
+@pytest.mark.parametrize("system", ["flatcake-native", "tiered"])
 def test_prepared_pages_wait_in_bounded_host_staging_not_hbm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, system: str
 ) -> None:
@@ -187,7 +187,7 @@ def test_prepared_pages_wait_in_bounded_host_staging_not_hbm(
     and count as SSD hits once copied in; the tokens prepared stay below half the host pool plus one
     request (FlatCake's prefetches wait past it): a bigger host pool lets more prepare at once."""
     seen: list[tuple[int, int, bool]] = []
-    if system == "flatcake":
+    if system == "flatcake-native":
         prefetched = FlatCake._prefetched
 
         def spy(self: FlatCake, inst: Any, rid: str) -> None:
@@ -207,7 +207,7 @@ def test_prepared_pages_wait_in_bounded_host_staging_not_hbm(
     trace = _burst_trace(tmp_path / "t.jsonl")
     peaks = []
     # A big host pool lets FlatCake prepare more at once; tiered's then holds everything in its host tier.
-    for dram in (1 * GiB, 64 * GiB) if system == "flatcake" else (1 * GiB,):
+    for dram in (1 * GiB, 64 * GiB) if system == "flatcake-native" else (1 * GiB,):
         seen.clear()
         out, _ = simulate(small(trace, dram_bytes=dram, hbm_bytes=64 * MiB), system, None)
         assert len(seen) >= 4 and not any(in_hbm for _, _, in_hbm in seen), "prepared pages went into HBM"
@@ -254,7 +254,7 @@ def test_cross_node_reads_serve_a_prompt_another_node_stored(tmp_path: Path) -> 
     hits, outs = {}, {}
     for gbps in (0.0, 200.0):
         cfg = dataclasses.replace(small(str(trace)), nodes=2, cross_node_gbps=gbps)
-        outs[gbps], sim = simulate(cfg, "flatcake", None)
+        outs[gbps], sim = simulate(cfg, "flatcake-native", None)
         hits[gbps] = max(sim.records, key=lambda r: r.arrival).hit
         assert isinstance(sim, FlatCake)
         assert all(not c.handles()[1] for c in sim.catalogs)  # every lease released, remote ones too

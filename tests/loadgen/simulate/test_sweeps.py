@@ -64,7 +64,7 @@ def test_the_same_sweep_gives_the_same_json(tmp_path: Path) -> None:
 
 def test_dram_ssd_points_cost_the_same(tmp_path: Path) -> None:
     cfg = base(chats(tmp_path / "t.jsonl"), workers=1)
-    points = sweeps.SWEEPS["dram-ssd"].points(cfg, ("flatcake",), tmp_path)
+    points = sweeps.SWEEPS["dram-ssd"].points(cfg, ("flatcake-native",), tmp_path)
     costs = {round(p.cfg.dram_bytes / GiB * sweeps.DRAM_USD_PER_GIB + p.cfg.ssd_bytes / GiB * sweeps.NVME_USD_PER_GIB,
                    3) for p in points}  # fmt: skip
     assert len(points) >= 5 and len(costs) == 1

@@ -49,6 +49,8 @@ def test_the_emulators_tiered_mode_runs_on_mooncake(tmp_path: Path) -> None:
     try:
         keys = [f"p{i}" for i in range(5)]
         storage.store([], keys, ChainSignals())
+        assert storage.tiered is not None
+        storage.tiered.drain()  # written through to Mooncake on the backup thread
         # Half the 4-page DRAM budget is the host tier (2 pages), half Mooncake's segment: it holds the rest.
         assert cfg.host_tier_bytes == 2 * cfg.page_span and cfg.l3_dram_bytes == 2 * cfg.page_span
         assert storage.media(keys) == ["dram"] * 2 + ["ssd"] * 3
