@@ -164,6 +164,14 @@ _SPECS = [
     ),
     Spec("flatcake_prefetch_seconds", "histogram", ("system",), "seconds", "SSD prefetch time per request."),
     Spec(
+        "flatcake_l3_write_pages",
+        "counter",
+        ("system", "result"),
+        "",
+        "Pages written through to the L3 under SGLang's host tier (its backup thread), by result: stored, or "
+        "failed (refused for space, as Mooncake refuses a full segment, or an I/O error; SGLang drops them).",
+    ),
+    Spec(
         "flatcake_ssd_restore_bytes",
         "counter",
         ("system",),

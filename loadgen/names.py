@@ -34,7 +34,7 @@ REGISTRY: tuple[SystemName, ...] = (
                "agent's catalog and scheduler)", ("e2e", "simulate")),
     SystemName("flatcake-engine", "FlatCake's engine in process, no agent (its layers stream as they land)",
                ("restore", "peers", "context")),
-    SystemName("tiered", "SGLang HiCache's rules: a host LRU tier evicting into an idealized SSD log (one "
+    SystemName("tiered", "SGLang HiCache's rules: a host LRU tier written through to an idealized SSD log (one "
                "contiguous log, whole-page reads)", ("restore", "peers", "e2e", "context", "simulate")),
     SystemName("tiered-naive", "the tiered store reading page-layer by page-layer (the paper's fragmented reads)",
                ("restore", "peers")),

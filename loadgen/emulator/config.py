@@ -94,7 +94,7 @@ class EmulatorConfig:
                 else ("kept: reads may be served from memory beyond the DRAM budget")
             )
         if self.storage == "hicache-mooncake":
-            return "Mooncake's offload files, as its client writes them"
+            return "Mooncake's offload reads O_DIRECT through io_uring (MOONCAKE_OFFLOAD_USE_URING=1); writes buffered"
         if self.storage is None and self.mode != "flatcake-native":
             return "no storage reads"
         return "bypassed: O_DIRECT reads"

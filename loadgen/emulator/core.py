@@ -144,6 +144,7 @@ class Emulator:
             ("flatcake_hit_tokens", M.counter), ("flatcake_miss_tokens", M.counter),
             ("flatcake_prefetch_declined", M.counter), ("flatcake_prefetch_retries", M.counter),
             ("flatcake_prefetch_seconds", M.histogram), ("flatcake_ssd_restore_bytes", M.counter),
+            ("flatcake_l3_write_pages", M.counter),
             ("flatcake_ssd_restore_busy_seconds", M.counter),
             ("flatcake_queue_depth", M.gauge), ("flatcake_queue_wait_seconds", M.histogram),
             ("flatcake_staging_tokens", M.gauge), ("flatcake_server_ttft_seconds", M.histogram),
@@ -181,6 +182,15 @@ class Emulator:
             m["flatcake_placed_lost_pages"].labels(cfg.mode, medium)
         for reason in ("uncached", "declined", "not_prefetched", "failed"):
             m["flatcake_miss_tokens"].labels(cfg.mode, reason)
+        tiered = self.storage.tiered
+        if tiered is not None and cfg.storage is not None:  # SGLang's backup thread's write-throughs
+            written = {r: m["flatcake_l3_write_pages"].labels(cfg.mode, r) for r in ("stored", "failed")}
+
+            def backed_up(stored: int, failed: int) -> None:  # on the backup thread; counters are thread-safe
+                written["stored"].inc(stored)
+                written["failed"].inc(failed)
+
+            tiered.on_backup = backed_up
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -92,6 +92,23 @@ def placement(prom: Path) -> dict[str, Any] | None:
     }  # fmt: skip
 
 
+def l3_writes(prom: Path) -> dict[str, Any] | None:
+    """Pages written through to the L3 (SGLang's backup thread), stored and failed, from the emulator's
+    counters; None where the system has no L3."""
+    if not prom.exists():
+        return None
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(prom.read_text()):
+        for sample in family.samples:
+            if sample.name == "flatcake_l3_write_pages_total":
+                counts[sample.labels["result"]] = counts.get(sample.labels["result"], 0) + sample.value
+    total = sum(counts.values())
+    if not total:
+        return None
+    failed = counts.get("failed", 0)
+    return {"stored": int(counts.get("stored", 0)), "failed": int(failed), "failed_share": failed / total}
+
+
 SPREAD_FIELDS = ("delivered_hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "throughput_tokens_per_s")
 
 
@@ -117,6 +134,8 @@ def summarize_point(reps: list[tuple[list[dict[str, Any]], Path]]) -> dict[str, 
     out["saturation"] = reasons
     placements = [p for _, run in reps if (p := placement(run / "emulator.prom"))]
     out["placement"] = placements[len(placements) // 2] if placements else None
+    writes = sorted((w for _, run in reps if (w := l3_writes(run / "emulator.prom"))), key=lambda w: w["failed_share"])
+    out["l3_writes"] = writes[len(writes) // 2] if writes else None
     return out
 
 
@@ -310,4 +329,8 @@ def format_table(report: dict[str, Any]) -> str:
                     f"{m} {v['placed']} pages placed, {100 * (v['reused_share'] or 0):.0f}% reused"
                     f" ({100 * (v.get('lost_share') or 0):.0f}% of those lost first)"
                     for m, v in p.items()) + f"; DRAM served {100 * r['dram_hit_share']:.1f}% of hits")  # fmt: skip
+            w = r.get("l3_writes")
+            if w and w["failed"]:
+                lines.append(f"L3 writes {name} {r['qps']:g} QPS: {w['stored']} pages stored, {w['failed']} failed "
+                             f"({100 * w['failed_share']:.0f}%, dropped as SGLang drops them)")  # fmt: skip
     return "\n".join(lines)

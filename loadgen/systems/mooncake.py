@@ -86,7 +86,11 @@ FILLER_ROUNDS = 4
 INSTALL = "pip install --no-deps -r requirements/peers.txt (bin/test and bin/flatcake bench peers add it)"
 
 # The embedded client reads these from the environment when it is set up.
+# MOONCAKE_OFFLOAD_USE_URING=1: its offload reads go through io_uring with O_DIRECT (Mooncake's
+# storage_backend.cpp adds O_DIRECT to reads only on that path; writes stay buffered either way), so reads of
+# offloaded pages hit the device as every other system's do, not the page cache (its default is false).
 CLIENT_ENV = {
+    "MOONCAKE_OFFLOAD_USE_URING": "1",
     "MC_TCP_BIND_ADDRESS": "127.0.0.1",
     "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
     "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": str(HEARTBEAT_S),

@@ -28,7 +28,7 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -149,6 +149,8 @@ class TieredStore:
         self.invalidated_pages = 0
         self.dropped_pages = 0  # evicted from the host tier with no L3 copy
         self.failed_backups = 0  # pages the L3 did not take
+        self.stored_backups = 0
+        self.on_backup: Callable[[int, int], None] | None = None  # (stored, failed) after each backup
         # Write-through: a backup thread of its own writes each put's pages to the L3 (none without one);
         # pages queued there are held in the host tier (SGLang's host lock until the backup's ack).
         self._pending: dict[Key, int] = {}
@@ -231,7 +233,9 @@ class TieredStore:
                 for key, good in zip(keys, stored or [False] * len(keys), strict=True):
                     if good and self.store is not None:
                         self.l3[key] = (-1, 0)
-                    elif not good:
+                    if good:
+                        self.stored_backups += 1
+                    else:
                         self.failed_backups += 1
                     n = self._pending.get(key, 0) - 1
                     if n > 0:
@@ -239,6 +243,9 @@ class TieredStore:
                     else:
                         self._pending.pop(key, None)
                 self._evict()
+            if self.on_backup is not None:
+                good = sum(1 for ok in stored if ok)
+                self.on_backup(good, len(keys) - good)
 
     def _backed_up(self, done: Future[None]) -> None:
         with self._lock:

@@ -150,6 +150,8 @@ def test_end_to_end_through_locust_then_the_report(tmp_path: Path) -> None:
     run = saved["systems_run"]["flatcake"]
     assert run["l3"] == "flatcake" and run["late_pages"] == "recomputed" and run["host_tier_bytes"] > 0
     assert saved["calibration"]["page_cache"]["flatcake"].startswith("bypassed")
+    writes = saved["systems"]["flatcake"]["6"]["l3_writes"]  # SGLang's backup thread wrote through to FlatCake
+    assert writes["stored"] > 0 and writes["failed"] == 0
     assert "| flatcake | sglang | flatcake |" in (tmp_path / "report.md").read_text()
     for row in rows.values():  # what the checks read, spreads over (here one) repeat
         assert set(row["delivered_hit_rate"]) == {"min", "median", "max"} and row["repeats"] == 1

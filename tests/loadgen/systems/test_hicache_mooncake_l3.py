@@ -3,6 +3,7 @@ master process and an embedded client, driven with SGLang's Mooncake backend's b
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,10 @@ def test_evicted_pages_go_through_mooncake_a_batch_a_call_and_come_back_bit_exac
     try:
         assert isinstance(pages, BatchPageStore)
         assert pages.system.pids(), "no mooncake_master running"
+        # Offload reads through io_uring (O_DIRECT, as every other system reads), not the page cache.
+        fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}")]  # fmt: skip
+        assert any("io_uring" in fd for fd in fds), "Mooncake's client runs no io_uring: its reads are buffered"
         kv = aligned_empty((LAYERS, 6, PAGE))
         kv[...] = np.random.default_rng(5).integers(0, 256, kv.shape, dtype=np.uint8)
         keys = [f"k{i}" for i in range(6)]
