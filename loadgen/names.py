@@ -27,7 +27,8 @@ REGISTRY: tuple[SystemName, ...] = (
     SystemName("flatcake", "FlatCake as it ships: its node agent behind the engine's plugin API, bound by the "
                "engine's rules (peers: SGLang's backend over the agent; e2e: SGLang HiCache 0.5.23's rules with "
                "FlatCake's backend as L3 under SGLang's host tier; serve: the backend inside a real SGLang server; "
-               "serve-vllm: the KV connector inside a real vLLM server)", ("peers", "e2e", "serve", "serve-vllm")),
+               "serve-vllm: the KV connector inside a real vLLM server; simulate: the same rules over the agent's "
+               "catalog)", ("peers", "e2e", "simulate", "serve", "serve-vllm")),
     SystemName("flatcake-native", "the paper's engine-integrated FlatCake, a what-if until an engine ships it: "
                "FC-MAS queues, prefetches that wait instead of declining, late pages restored at dispatch and "
                "streamed layer by layer into the prefill (e2e: the emulator as the agent's client; simulate: the "

@@ -6,7 +6,9 @@ backend loaded by ``--hicache-storage-backend dynamic``), SGLang's own HiCacheFi
 Every (system, rate) point starts cold: fresh storage, a fresh server (warmed with one unrelated
 request). Before the replay a probe prompt is generated greedily; after it, the device and host tiers
 are flushed and the probe asked again: ``logprobs_match_cold`` says whether what came back from L3
-gave bit-identical logprobs. Reported per point: TTFT mean and P99, SGLang's own cached tokens by tier
+gave bit-identical logprobs (SGLang: the output's and the prompt's computed tail's), and is None (n/a)
+where the probe's prefix did not come back from storage (the check then says nothing about it).
+Reported per point: TTFT mean and P99, SGLang's own cached tokens by tier
 (``device``, ``host``, ``storage``: ``meta_info.cached_tokens_details``), throughput, and for FlatCake the
 pages its agent restored from DRAM and from SSD.
 
@@ -190,7 +192,10 @@ def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Pat
         with server:
             log(f"  {system} at {qps:g} QPS: server ready in {server.start_seconds:.0f} s, replaying ...")
             server.warm_up()
-            cold = server.generate(input_ids=probe)
+            # The probe's tail past its last whole page is computed over the prefix restored from L3: its prompt
+            # logprobs check the restored KV across many positions, its output's logprobs at eight more.
+            tail = (len(probe) - 1) // geometry["page_tokens"] * geometry["page_tokens"]
+            cold = server.generate(input_ids=probe, logprob_start_len=tail)
             base = restored_pages(agent) if agent else None
             cpu = (server.cpu_seconds(), cpu_seconds(helpers))
             started = time.monotonic()
@@ -207,8 +212,9 @@ def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Pat
             with contextlib.suppress(Exception):  # the probe's pages were written long ago; wait anyway
                 server.wait_backed_up((len(probe) - 1) // geometry["page_tokens"] * geometry["page_tokens"], 30)
             server.flush_cache()
-            warm = server.generate(input_ids=probe)
-    match = warm.logprobs == cold.logprobs and warm.output_ids == cold.output_ids
+            warm = server.generate(input_ids=probe, logprob_start_len=tail)
+    match = (warm.logprobs == cold.logprobs and warm.output_ids == cold.output_ids
+             and warm.prompt_logprobs == cold.prompt_logprobs and len(cold.prompt_logprobs) > 0)  # fmt: skip
     return {**summarize(system, qps, _records(where), replay_s, match, warm.cached_storage or 0, pages),
             "cpu_s": cpu_s}  # fmt: skip
 
@@ -283,7 +289,8 @@ def summarize(system: str, qps: float, records: list[dict[str, Any]], replay_s: 
         "prompt_tokens": prompt, "cached_tokens_by_tier": tiers,
         "storage_hit_share": tiers["storage"] / prompt if prompt else 0.0,
         "throughput_tokens_per_s": (prompt + sum(r["output_tokens"] for r in ok)) / replay_s if replay_s else 0.0,
-        "logprobs_match_cold": match,
+        # Only a probe whose prefix came back from storage says anything about storage: else None (n/a).
+        "logprobs_match_cold": match if probe_storage_tokens > 0 else None,
         "probe_from_storage_tokens": probe_storage_tokens,
     }  # fmt: skip
     if pages is not None:
@@ -354,9 +361,15 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["ttft_mean_spread_s"] = {"min": means[0], "median": statistics.median(means), "max": means[-1]}
         row["cached_tokens_by_tier"] = {t: int(statistics.median(r["cached_tokens_by_tier"][t] for r in ran))
                                         for t in TIERS}  # fmt: skip
-        row["logprobs_match_cold"] = all(r["logprobs_match_cold"] for r in ran)
+        # None (n/a) unless some repeat's probe came back from storage; False if any such repeat differed.
+        checked = [r["logprobs_match_cold"] for r in ran if r.get("logprobs_match_cold") is not None]
+        row["logprobs_match_cold"] = all(checked) if checked else None
         out.append(row)
     return out
+
+
+def _match(value: bool | None) -> str:
+    return "n/a (probe not from storage)" if value is None else ("yes" if value else "NO")
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -372,9 +385,10 @@ def format_table(report: dict[str, Any]) -> str:
         cpu = f"{r['cpu_s']['server']:.0f} / {r['cpu_s']['backend_processes']:.1f}" if "cpu_s" in r else ""
         spread, p99 = r["ttft_mean_spread_s"], r["ttft_p99_s"]
         mean = f"{spread['median']:.3f} ({spread['min']:.3f}-{spread['max']:.3f})"
+        match = _match(r["logprobs_match_cold"])
         lines.append(f"| {r['system']} | {r['qps']:g} | yes | {mean} | {p99:.3f} | "
                      f"{t['device']} / {t['host']} / {t['storage']} | {r['storage_hit_share']:.1%} | "
-                     f"{r['throughput_tokens_per_s']:.0f} | {r['logprobs_match_cold']} | {fc} | {cpu} |")  # fmt: skip
+                     f"{r['throughput_tokens_per_s']:.0f} | {match} | {fc} | {cpu} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from flatcake import metrics as M
 from flatcake.loadgen.emulator.config import EmulatorConfig
@@ -184,7 +184,9 @@ class Emulator:
             m["flatcake_miss_tokens"].labels(cfg.mode, reason)
         tiered = self.storage.tiered
         if tiered is not None and cfg.storage is not None:  # SGLang's backup thread's write-throughs
-            written = {r: m["flatcake_l3_write_pages"].labels(cfg.mode, r) for r in ("stored", "failed")}
+            counter = m["flatcake_l3_write_pages"]
+            assert isinstance(counter, Counter)
+            written = {r: counter.labels(cfg.mode, r) for r in ("stored", "failed")}
 
             def backed_up(stored: int, failed: int) -> None:  # on the backup thread; counters are thread-safe
                 written["stored"].inc(stored)

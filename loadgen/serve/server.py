@@ -126,6 +126,7 @@ class Generation:
 
     output_ids: list[int]
     logprobs: list[float]  # output_token_logprobs, one per output token
+    prompt_logprobs: list[float | None]  # input_token_logprobs from logprob_start_len on (empty if not asked)
     cached_tokens: int  # meta_info.cached_tokens: prompt tokens not computed
     cached_device: int  # meta_info.cached_tokens_details (absent when nothing was cached: all 0)
     cached_host: int
@@ -143,6 +144,7 @@ class Generation:
         return cls(
             output_ids=[int(p[1]) for p in pairs] or list(answer.get("output_ids") or []),
             logprobs=[float(p[0]) for p in pairs],
+            prompt_logprobs=[None if p[0] is None else float(p[0]) for p in meta.get("input_token_logprobs") or []],
             cached_tokens=int(meta.get("cached_tokens", 0)),
             cached_device=int(details.get("device", 0)),
             cached_host=int(details.get("host", 0)),
@@ -372,14 +374,19 @@ class SGLangServer(ServerProcess):
         return_logprob: bool = True,
         temperature: float = 0.0,
         timeout_s: float = 600.0,
+        logprob_start_len: int | None = None,
     ) -> Generation:
-        """``/generate`` (greedy by default) for ``text`` or ``input_ids``."""
+        """``/generate`` (greedy by default) for ``text`` or ``input_ids``. ``logprob_start_len``: also the
+        prompt's logprobs from that token on (SGLang matches a cached prefix only up to it, so the tokens
+        after it are computed, over whatever KV came before)."""
         if (text is None) == (input_ids is None):
             raise ValueError("generate: give exactly one of text and input_ids")
         body: dict[str, Any] = {
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature},
             "return_logprob": return_logprob,
         }
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = int(logprob_start_len)
         if text is not None:
             body["text"] = text
         else:

@@ -13,6 +13,7 @@ charged by the same rules, which stay comparable only side by side; each system 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -622,9 +623,9 @@ class Tiered(System):
             if cached == start:
                 break
         rec.hit["dram"] = dram
-        if cached < len(keys) and keys[cached] in self.l3[inst.node]:
+        rest = self._l3_prefix(inst.node, keys, cached) if self.l3_enabled and cached < len(keys) else 0
+        if rest:
             # SGLang reads storage only through a prefetch: what it did not bring is recomputed.
-            rest = self._l3_prefix(inst.node, keys, cached)
             if job.declined:
                 rec.declined_pages = min(job.declined, rest)
             else:
@@ -699,7 +700,100 @@ class Tiered(System):
         return {"reclaimed_buckets": self.reclaimed_buckets, "invalidated_pages": self.invalidated_pages}
 
 
+class ShippedFlatCake(Tiered):
+    """FlatCake as it ships: SGLang HiCache's rules (``Tiered``'s: FCFS, prefetch at admission by one I/O thread
+    in 128-page batches, declined at half the host pool, stopped by the timeout, no storage reads after
+    admission) with FlatCake's backend as the L3 under SGLang's host tier, as the emulator's ``flatcake``
+    runs it: half the DRAM budget is the host tier, half FlatCake's pool; new pages are written through to
+    FlatCake (Table 2 placement from the chain, per run, as the backend derives it) and read back by the
+    engine's coalesced plan (SSD pages) or from its DRAM pool. The agent's catalog is ``FlatCake``'s own
+    (its tables, leases, reclaim), sharing this system's devices."""
+
+    def __init__(self, c: Cluster, loop: EventLoop) -> None:
+        half = dataclasses.replace(c, dram_bytes=c.dram_bytes // 2)
+        super().__init__(half, loop, l3=True)
+        self.name = "flatcake"
+        self.fc = FlatCake(half, loop)
+        self.fc.ssd = self.ssd  # one node's devices serve both the reads and the write-throughs
+
+    def _l3_prefix(self, node: int, keys: tuple[int, ...], start: int) -> int:
+        self.fc.signals[node].observe(keys[:start], keys[start:])  # the backend's batch_exists sees the chain
+        return self.fc.catalogs[node].exists(keys[start:])
+
+    def _pump_io(self, inst: Instance) -> None:
+        """The prefetch I/O thread: the next 128-page batch, restored by FlatCake's engine under a lease."""
+        while not inst.io_busy and inst.io:
+            job = inst.io[0]
+            op = job.op
+            assert op is not None
+            if op.terminated or job.io_pos >= op.pages:
+                self._op_finished(inst, job)
+                continue
+            batch = job.ssd_keys[job.io_pos : job.io_pos + hicache.STORAGE_BATCH_PAGES]
+            catalog = self.fc.catalogs[inst.node]
+            got = catalog.exists(batch)  # reclaimed meanwhile: the batch stops there
+            done = self.loop.now
+            if got:
+                lease = catalog.acquire(batch[:got])
+                ssd = [loc for loc in lease.locations if loc.gva >= SSD_THRESHOLD]
+                if ssd:
+                    done = self.fc._read(inst.node, ssd)
+                self.ssd_pages_read += len(ssd)
+                self.loop.at(done, catalog.release, lease.id)
+            inst.io_busy = True
+            self.loop.at(done, self._batch_done, inst, job, batch[:got], len(batch))
+
+    def store(self, job: Job, cached: int) -> None:
+        """New pages enter the host tier and are written through to FlatCake, run by run with their hints."""
+        inst, keys = job.inst, list(job.req.keys)
+        new = keys[cached:]
+        if not new:
+            return
+        inst.hbm.pin(new, +1)
+        done = inst.writer.submit(self.loop.now, len(new) * self.c.page_span, 1)
+        self._l2_insert(inst, new)
+        signals, catalog = self.fc.signals[inst.node], self.fc.catalogs[inst.node]
+        runs = signals.write(keys[:cached], new, self.c.page_tokens)
+        for run in runs:
+            if not self._back_up(inst.node, catalog, new[run.start : run.stop], run.hints()):
+                break
+        else:
+            signals.record(new, runs)
+        self.loop.at(done, inst.hbm.pin, new, -1)
+
+    def _back_up(self, node: int, catalog: LocalCatalog, keys: list[int], hints: Hints) -> bool:
+        try:
+            alloc = catalog.allocate(keys, hints)
+        except CapacityError:
+            self.fc.store_failures += 1
+            return False
+        if alloc is None:
+            return True
+        span = self.c.page_span
+        if alloc.medium is Medium.DRAM:
+            self.fc.placed_bytes[Medium.DRAM] += len(alloc.slots) * span
+            catalog.publish(alloc.id, [0] * len(alloc.index))
+            return True
+        self.fc.placed_bytes[Medium.SSD] += sum(g.pages for g in alloc.segments) * span
+        done = self.ssd[node].submit(self.loop.now, len(alloc.index) * span, len(alloc.segments), write=True)
+        self.loop.at(done, catalog.publish, alloc.id, [0] * len(alloc.index))
+        return True
+
+    def _l3_append(self, node: int, keys: list[int]) -> float | None:
+        return None  # written through already: a host eviction writes nothing
+
+    def occupancy(self) -> tuple[int, int]:
+        host, _ = super().occupancy()
+        dram, ssd = self.fc.occupancy()
+        return host + dram, ssd
+
+    def counters(self) -> dict[str, Any]:
+        return self.fc.counters()
+
+
 def make(name: str, c: Cluster, loop: EventLoop) -> System:
+    if name == "flatcake":
+        return ShippedFlatCake(c, loop)
     if name == "flatcake-native":
         return FlatCake(c, loop)
     if name in ("dram", "tiered"):

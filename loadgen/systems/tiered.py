@@ -244,8 +244,8 @@ class TieredStore:
                         self._pending.pop(key, None)
                 self._evict()
             if self.on_backup is not None:
-                good = sum(1 for ok in stored if ok)
-                self.on_backup(good, len(keys) - good)
+                n_ok = sum(1 for ok in stored if ok)
+                self.on_backup(n_ok, len(keys) - n_ok)
 
     def _backed_up(self, done: Future[None]) -> None:
         with self._lock:

@@ -37,12 +37,9 @@ def test_earlier_spellings_map_and_a_wrong_name_says_where_it_runs() -> None:
                        r"\(per-block runs in: restore\)"):  # fmt: skip
         names.resolve("e2e", ["per-block"], "--systems")
     with pytest.raises(
-        ConfigError, match="'nope' is not a system of simulate; choose from flatcake-native,tiered,dram$"
+        ConfigError, match="'nope' is not a system of simulate; choose from flatcake,flatcake-native,tiered,dram$"
     ):
         names.resolve("simulate", ["nope"])
-    # The simulator models the paper's engine-integrated FlatCake only: asking it for FlatCake as it ships says so.
-    with pytest.raises(ConfigError, match=r"'flatcake' is not a system of simulate.*\(flatcake runs in: peers, e2e"):
-        names.resolve("simulate", ["flatcake"])
 
 
 def test_names_are_unique_and_spelled_one_way() -> None:

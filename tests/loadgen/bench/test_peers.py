@@ -73,6 +73,9 @@ def test_quick_runs_the_ci_systems_and_ratios_come_from_the_same_medians(tmp_pat
             s["time_to_first_layer_s"] / fc["time_to_first_layer_s"]
         )
     assert report["limit"]["read_bytes_per_s"] > 0 and report["limit"]["block_bytes"] % 4096 == 0
+    # Beside fio at FlatCake's own command size: the device's ceiling, 1 MiB commands and a deep queue.
+    top = report["ceiling"]
+    assert top["read_bytes_per_s"] > 0 and top["block_bytes"] == 1 << 20 and top["iodepth"] == bp.CEILING_DEPTH > 1
     assert report["workload"]["model"] == "dsv4-flash" and report["workload"]["page_layer_bytes"] == 48 * 1024
     assert "## FlatCake against its peers" in (out / "peers.md").read_text()
     assert sorted(p.name for p in out.glob("*.png")) == [

@@ -261,3 +261,21 @@ def test_cross_node_reads_serve_a_prompt_another_node_stored(tmp_path: Path) -> 
     assert hits[0.0]["remote"] == 0 and sum(hits[0.0].values()) == 0  # another node's prompt: prefilled
     assert hits[200.0]["remote"] > 0  # fetched from node 0
     assert outs[200.0]["hit_share"]["remote"] > 0 and outs[200.0]["ttft_mean_s"] < outs[0.0]["ttft_mean_s"]
+
+
+def test_flatcake_as_it_ships_runs_sglangs_rules_over_the_agents_catalog(tmp_path: Path) -> None:
+    """The shipped FlatCake in the simulator: SGLang's scheduling and prefetch (Tiered's) with the agent's
+    catalog as the L3 under half the DRAM budget's host tier; its SSD pages are read by the engine's
+    coalesced plan (fewer commands a page than the tiered log's whole-page reads), placed by Table 2."""
+    from flatcake.loadgen.simulate.cluster import ShippedFlatCake
+
+    trace = sessions_trace(tmp_path / "t.jsonl")
+    cfg = small(trace, dram_bytes=8 * GiB)
+    shipped, sim = simulate(cfg, "flatcake", 1.0)
+    assert isinstance(sim, ShippedFlatCake) and isinstance(sim, Tiered)
+    tiered, tiered_sim = simulate(cfg, "tiered", 1.0)
+    assert abs(2 * sim.l2_pages - tiered_sim.l2_pages) <= 1  # half the DRAM budget is SGLang's host tier
+    assert sum(sim.fc.placed_bytes.values()) > 0  # written through to FlatCake's catalog
+    assert shipped["ssd_read_commands"] and shipped["read_commands_per_page"] < tiered["read_commands_per_page"]
+    native, _ = simulate(cfg, "flatcake-native", 1.0)
+    assert shipped["delivered_hit_rate"] <= native["delivered_hit_rate"] + 1e-9  # SGLang's rules bind it
