@@ -406,7 +406,8 @@ def _operator_render(args: argparse.Namespace) -> int:
         body = yaml.safe_load(Path(args.file).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{args.file}: cannot read a FlatCakeCache from it ({exc})") from None
-    objects = preview.objects(body, preview.load_crd_schema(args.crd), args.agent_cluster_role)
+    namespace = args.namespace[0] if args.namespace else "default"  # as kubectl apply -n gives it
+    objects = preview.objects(body, preview.load_crd_schema(args.crd), args.agent_cluster_role, namespace)
     print(yaml.safe_dump_all(objects, sort_keys=False), end="")
     return 0
 
@@ -805,7 +806,9 @@ def _add_operator(sub: Subparsers) -> None:
     op.add_argument("--crd", help="render: the CRD's YAML (default: this checkout's crds/flatcakecaches.yaml)")
     op.add_argument("--agent-cluster-role", default="flatcake-agent", dest="agent_cluster_role",
                     help="render: the agents' ClusterRole, as the chart names it")  # fmt: skip
-    op.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeat); default all")
+    op.add_argument("--namespace", action="append", default=[],
+                    help="run: watch this namespace (repeat; default all); render: the cache's namespace where its "
+                    "metadata names none (default: default)")  # fmt: skip
     op.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL")
     op.set_defaults(func=_operator)
 

@@ -1,9 +1,10 @@
 """``flatcake operator render CACHE.yaml``: what the operator would apply for a FlatCakeCache, without
 a cluster. The spec gets the CRD's defaults (as the API server gives them), then the operator's own
 path: its spec checks, the engine configuration and the agent's rules on it, and the objects a
-reconcile applies (``render.objects``). What needs the cluster is not done: the nodes' fit (hugepages,
-filesystem size), the NodeID map, and the API server's schema checks (types and ranges:
-``kubectl apply --dry-run=server`` runs those)."""
+reconcile applies (``render.objects``). First the API server's schema checks, offline, against the CRD's
+own schema (``crds.problems``: unknown fields with the nearest known name, types, bounds, enums, patterns;
+every problem listed). What needs the cluster is not done: the nodes' fit (hugepages, filesystem size),
+the NodeID map, and the CRD's CEL rules (``kubectl apply --dry-run=server`` runs those)."""
 
 from __future__ import annotations
 
@@ -41,15 +42,23 @@ def load_crd_schema(path: str | Path | None = None) -> dict[str, Any]:
     return schema
 
 
-def objects(body: dict[str, Any], schema: dict[str, Any], agent_cluster_role: str) -> list[dict[str, Any]]:
-    """The objects the operator would apply for ``body`` (a FlatCakeCache, as YAML gives it)."""
+def objects(
+    body: dict[str, Any], schema: dict[str, Any], agent_cluster_role: str, namespace: str = "default"
+) -> list[dict[str, Any]]:
+    """The objects the operator would apply for ``body`` (a FlatCakeCache, as YAML gives it), in its
+    ``metadata.namespace`` or else ``namespace`` (``kubectl apply -n``'s)."""
     kind = body.get("kind") if isinstance(body, dict) else type(body).__name__
     if not isinstance(body, dict) or kind != KIND:
         raise ConfigError(f"kind: expected a {KIND} (apiVersion flatcake.io/v1alpha1), got {kind!r}")
     meta = body.get("metadata") or {}
-    cache = render.Cache(str(meta.get("name", "")), str(meta.get("namespace") or "default"), "preview")
+    cache = render.Cache(str(meta.get("name", "")), str(meta.get("namespace") or namespace), "preview")
     render.check_cache(cache)
     spec_schema = schema["properties"]["spec"]
+    unknown = sorted(set(body) - {"apiVersion", "kind", "metadata", "spec", "status"})
+    found = [f"{name}: unknown top-level field of a {KIND}" for name in unknown]
+    found += crds.problems(spec_schema, body.get("spec") or {}, "spec")
+    if found:
+        raise ConfigError(f"{len(found)} field(s) the API server would refuse:\n  " + "\n  ".join(found))
     spec = parse_spec(crds.apply_defaults(spec_schema, copy.deepcopy(dict(body.get("spec") or {}))))
     config = render.engine_config(spec, cache, wipe=spec.wipe_policy == "Wipe")
     render.check_engine_config(config)

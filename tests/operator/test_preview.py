@@ -69,3 +69,39 @@ def test_the_operator_command_still_runs_by_default() -> None:
     args = build_parser().parse_args(["operator", "--namespace", "kv"])
     assert args.action == "run" and args.namespace == ["kv"]
     assert build_parser().parse_args(["operator", "render", "c.yaml"]).file == "c.yaml"
+
+
+def test_render_refuses_what_the_api_server_would_naming_each_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 46: the CRD's own schema, offline. Misspelt fields were silently dropped; out-of-range and
+    unlisted values rendered. Every problem is listed, an unknown field with its nearest known name."""
+    bad = (
+        CACHE.replace("hugepageSize: 2Mi", "hugePageSize: 2Mi")
+        .replace("fileCount: 16", "fileCount: 100000")
+        .replace("nodeSelector:", "nodeselector:")
+        + "  placment: {mode: table2}\n  metrics: {port: 80}\n  wipePolicy: Sometimes\n"
+    )
+    code, out, err = render(tmp_path, bad, capsys)
+    assert code != 0 and not out
+    for line in (
+        "spec.dram.hugePageSize: unknown field; did you mean spec.dram.hugepageSize?",
+        "spec.nodeselector: unknown field; did you mean spec.nodeSelector?",
+        "spec.placment: unknown field; did you mean spec.placement?",
+        "spec.ssd.fileCount: 100000 is out of range; it must be <= 65536",
+        "spec.metrics.port: 80 is out of range; it must be >= 1024",
+        "spec.wipePolicy: 'Sometimes' is not one of",
+    ):
+        assert line in err, (line, err)
+    code, _, err = render(tmp_path, CACHE.replace("  ssd:", "  sdd:"), capsys)
+    assert code != 0 and "spec.sdd: unknown field; did you mean spec.ssd?" in err
+
+
+def test_render_takes_the_namespace_flag_where_the_cache_names_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "cache.yaml"
+    path.write_text(CACHE.replace("metadata: {name: kv, namespace: serving}", "metadata: {name: kv}"))
+    assert main(["operator", "render", str(path), "--namespace", "tenant-a"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert {d["metadata"]["namespace"] for d in docs} == {"tenant-a"}
