@@ -374,3 +374,75 @@ def test_pod_options_and_name_overrides_reach_every_pod() -> None:
     assert master["metadata"]["name"] == "bench-cake-master"
     assert "priorityClassName" not in master["spec"]["template"]["spec"]
     assert "annotations" not in master["spec"]["template"]["metadata"]
+
+
+def _tolerates(taint: dict[str, str], tolerations: list[dict[str, str]]) -> bool:
+    """The scheduler's rule for one taint (key, value, effect) against a pod's tolerations."""
+    for t in tolerations:
+        if t.get("effect") not in (None, "", taint["effect"]):
+            continue
+        if t.get("operator") == "Exists" and t.get("key") in (None, "", taint["key"]):
+            return True
+        if t.get("key") == taint["key"] and t.get("value", "") == taint.get("value", ""):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_the_engine_pod_schedules_onto_a_tainted_gpu_node_with_its_token(engine: str) -> None:
+    """Issue 46: GPU nodes are tainted nvidia.com/gpu and labelled by their GPU; gated models need a token.
+    The release's tolerations and env reach every pod, the engine's own nodeSelector replaces the
+    release's, its env adds to it; after the webhook's wiring the pod still tolerates the taint, selects
+    the GPU node and keeps the user's affinity beside the ready-node term; every object validates."""
+    from flatcake.operator import inject
+
+    taint = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+    gpu_node = {"nvidia.com/gpu.product": "H100", "flatcake.io/node": "true"}
+    affinity = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 10, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                           "labelSelector": {"matchLabels": {"team": "other"}}}}]}}  # fmt: skip
+    engine_values = COMBINATIONS["vllm"] if engine == "vllm" else COMBINATIONS["sglang-devices"]
+    docs = render(*engine_values,
+                  "--set-json", 'tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]',
+                  "--set-json", 'env=[{"name": "HF_HOME", "value": "/models/hf"}]',
+                  "--set", "nodeSelector.pool=cpu",
+                  "--set", f"{engine}.nodeSelector.nvidia\\.com/gpu\\.product=H100",
+                  "--set-json", f"{engine}.affinity={json.dumps(affinity)}",
+                  "--set-json", f'{engine}.env=[{{"name": "HF_TOKEN", "valueFrom": {{"secretKeyRef": '
+                                f'{{"name": "hf", "key": "token"}}}}}}]',
+                  "--set-string", f"{engine}.resources.requests.cpu=8")  # fmt: skip
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+    template = find(docs, "Deployment", f"-{engine}")["spec"]["template"]
+    cache = R.Cache("flatcake", "bench", "")
+    body = {
+        "dram": {"hugepageSize": "2Mi"},
+        "ssd": {"devices": ["/dev/nvme0n1"]},
+        "kv": {"layers": 28, "pageBytes": 131072},
+    }
+    spec = parse_spec(admit("flatcake.io", "flatcakecaches", {"spec": body})["spec"])
+    pod = inject.mutate(template, R.pod_wiring(spec, cache))
+    assert _tolerates(taint, pod["tolerations"])
+    assert pod["nodeSelector"].items() <= gpu_node.items()  # the engine's own, not the release's pool=cpu
+    assert pod["affinity"]["podAntiAffinity"] == affinity["podAntiAffinity"]  # the webhook ANDs, keeps the rest
+    container = pod["containers"][0]
+    names = [e["name"] for e in container["env"]]
+    assert {"HF_HOME", "HF_TOKEN"} <= set(names)
+    assert container["resources"]["requests"] == {"cpu": "8"} and container["resources"]["limits"]["nvidia.com/gpu"]
+    for doc in docs:  # the Locust pods get the release's placement and env, not the engine's
+        if doc["kind"] == "Job":
+            job = doc["spec"]["template"]["spec"]
+            assert job["nodeSelector"] == {"pool": "cpu"} and _tolerates(taint, job["tolerations"])
+            assert [e["name"] for e in job["containers"][0]["env"]] == ["HF_HOME"]
+
+
+def test_one_engine_a_release_and_the_emulators_modes() -> None:
+    both = [*COMBINATIONS["sglang-devices"], "--set", "vllm.enabled=true", "--set", "vllm.image=registry.local/v:1"]
+    out = helm("template", "bench", str(CHART), *both)
+    assert out.returncode != 0 and "sglang.enabled and vllm.enabled" in out.stderr
+    for mode in ("flatcake", "flatcake-native", "tiered"):  # the emulator's modes, as `flatcake emulate` takes them
+        docs = render(*COMBINATIONS["emulator"], "--set", f"emulator.mode={mode}")
+        args = find(docs, "Deployment", "-emulator")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--mode") + 1] == mode
+    out = helm("template", "bench", str(CHART), *COMBINATIONS["emulator"], "--set", "emulator.mode=fast")
+    assert out.returncode != 0 and "mode" in out.stderr

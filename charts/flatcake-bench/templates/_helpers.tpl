@@ -45,6 +45,31 @@ imagePullSecrets:
 {{- end }}
 {{- end -}}
 
+{{/* Where a pod runs: the role's nodeSelector, tolerations and affinity where it sets them, else the
+release's (GPU nodes are usually tainted nvidia.com/gpu). Called with (dict "root" $ "role" VALUES);
+the operator's webhook ANDs its ready-node term into the affinity given here. */}}
+{{- define "bench.placement" -}}
+{{- $role := .role | default dict -}}
+{{- range $field := list "nodeSelector" "tolerations" "affinity" }}
+{{- with (get $role $field | default (get $.root.Values $field)) }}
+{{ $field }}:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* A container's env and envFrom: the release's, then the role's (e.g. a gated model's HF_TOKEN from a
+Secret). Called with (dict "root" $ "role" VALUES). */}}
+{{- define "bench.env" -}}
+{{- $role := .role | default dict -}}
+{{- range $field := list "env" "envFrom" }}
+{{- with (concat (get $.root.Values $field | default list) (get $role $field | default list)) }}
+{{ $field }}:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{- define "bench.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
