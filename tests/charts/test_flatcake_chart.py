@@ -185,3 +185,38 @@ def test_the_webhook_reaches_the_operators_handler_over_tls_it_trusts() -> None:
     assert not [d for d in off if d["kind"] == "MutatingWebhookConfiguration"]
     op = next(d for d in off if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert "FLATCAKE_WEBHOOK_PORT" not in {e["name"] for e in op["env"]}
+
+
+def _strict_documents(text: str) -> list[dict]:
+    """YAML documents, refusing a mapping with a key twice (PyYAML keeps the last one silently)."""
+
+    class Strict(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+        keys = [loader.construct_object(k) for k, _ in node.value]
+        dupes = {k for k in keys if keys.count(k) > 1}
+        assert not dupes, f"duplicate keys {dupes} at line {node.start_mark.line + 1}"
+        return loader.construct_mapping(node)
+
+    Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return [d for d in yaml.load_all(text, Loader=Strict) if d]
+
+
+def test_example_cache_names_each_field_once_and_passes_the_operators_checks(tmp_path) -> None:
+    """Issue 46: with exampleCache.spec.image set the cache rendered image twice; a nodeSelector given was
+    merged into the default label instead of replacing it. The rendered cache passes `flatcake operator
+    render` (the CRD's schema offline, then the operator's own checks)."""
+    from flatcake.cli import main
+
+    values = ["--set", "exampleCache.enabled=true", "--set", "exampleCache.spec.image=registry.local/fc:2",
+              "--set", "exampleCache.spec.nodeSelector.pool=kv"]  # fmt: skip
+    out = helm("template", "fc", str(CHART), "--namespace", "flatcake", *values)
+    assert out.returncode == 0, out.stderr
+    cache = next(d for d in _strict_documents(out.stdout) if d["kind"] == "FlatCakeCache")
+    assert cache["spec"]["image"] == "registry.local/fc:2" and cache["spec"]["nodeSelector"] == {"pool": "kv"}
+    default = next(d for d in render("--set", "exampleCache.enabled=true") if d["kind"] == "FlatCakeCache")
+    assert default["spec"]["nodeSelector"] == {"flatcake.io/node": "true"} and default["spec"]["image"]
+    path = tmp_path / "cache.yaml"
+    path.write_text(yaml.safe_dump(cache))
+    assert main(["operator", "render", str(path)]) == 0
