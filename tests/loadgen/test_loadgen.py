@@ -139,7 +139,9 @@ def test_end_to_end_through_locust_then_the_report(tmp_path: Path) -> None:
         png = tmp_path / name
         assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5_000
     assert (tmp_path / "report.md").read_text().count("| flatcake | 6.0 |") == 1
-    assert "<table>" in (tmp_path / "report.html").read_text()
+    html = (tmp_path / "report.html").read_text()  # the page says what report.md says (issue 46)
+    assert "<table>" in html and "P99 TTFT" in html and "errors" in html and "Calibration:" in html
+    assert "<td>flatcake</td><td>sglang</td><td>flatcake</td>" in html
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["meta"]["requests"] == 12 and saved["model"] == "dsv4-flash"
     assert saved["calibration"]["gpu"] == "a100" and saved["calibration"]["sources"]
