@@ -117,10 +117,26 @@ def test_a_slot_is_read_into_again_only_after_its_scatter_event_completed() -> N
     assert stats.get("staging_waits") == 0 and windows.in_use_bytes == 0
 
 
-def test_without_order_nothing_waits() -> None:
-    order = StreamOrder(FakeCuda())
+def test_a_slot_waits_only_for_its_own_last_scatter_and_only_once() -> None:
+    """Issue 45: this test asserted nothing. A slot never scattered waits for nothing; a scattered slot waits
+    for the event recorded after its scatter, once; drain waits for every slot still pending, and only those."""
+    cuda = FakeCuda()
+    order = StreamOrder(cuda)
     order.reuse(0)  # a slot never scattered: nothing to wait for
+    assert [op for op, _ in cuda.log if op == "sync"] == []
+    order.scattered(0)
+    order.scattered(1)
+    order.scattered(1)  # slot 1 scattered again: only its latest event matters
+    events = [i for op, i in cuda.log if op == "record"]
+    assert len(events) == 3
+    order.reuse(1)
+    assert [(op, i) for op, i in cuda.log if op == "sync"] == [("sync", events[2])]
+    order.reuse(1)  # already waited for: no second wait
+    assert sum(op == "sync" for op, _ in cuda.log) == 1
+    order.drain()  # slot 0's event is still pending
+    assert [(op, i) for op, i in cuda.log if op == "sync"] == [("sync", events[2]), ("sync", events[0])]
     order.drain()
+    assert sum(op == "sync" for op, _ in cuda.log) == 2
 
 
 def test_a_region_is_pinned_once_per_process_and_unpinned_with_its_last_holder() -> None:
