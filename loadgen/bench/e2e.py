@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -275,12 +276,27 @@ def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Poin
             raise RuntimeError(f"locust exited with {rc}")
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             (run_dir / "emulator.prom").write_bytes(r.read())
+        if agent is not None:  # the agent's own counters: placement, reclaim, restores by medium
+            save_agent_metrics(run_dir / "agent.log", run_dir / "agent.prom")
     finally:
         _stop(emulator)
         _stop(agent)
         for f in logs:
             f.close()
         shutil.rmtree(data, ignore_errors=True)
+
+
+def save_agent_metrics(agent_log: Path, out: Path) -> bool:
+    """The node agent's /metrics (its port is the one its log names: it binds port 0) into ``out``."""
+    found = re.search(r"metrics on port (\d+)", agent_log.read_text(errors="replace"))
+    if found is None:
+        return False
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{found.group(1)}/metrics", timeout=10) as r:
+            out.write_bytes(r.read())
+    except OSError:
+        return False
+    return True
 
 
 def run(cfg: E2EConfig, out: str | Path, log: Callable[[str], None] = print) -> dict[str, Any]:

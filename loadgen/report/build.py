@@ -109,6 +109,27 @@ def l3_writes(prom: Path) -> dict[str, Any] | None:
     return {"stored": int(counts.get("stored", 0)), "failed": int(failed), "failed_share": failed / total}
 
 
+def agent_counters(prom: Path) -> dict[str, Any] | None:
+    """A FlatCake point's node agent, from its /metrics: pages placed, scopes and bytes reclaimed and pages
+    restored, by medium; None where no agent ran."""
+    if not prom.exists():
+        return None
+    names = {
+        "flatcake_placements_total": "placed_pages",
+        "flatcake_reclaimed_scopes_total": "reclaimed_scopes",
+        "flatcake_reclaimed_bytes_total": "reclaimed_bytes",
+        "flatcake_restore_pages_total": "restored_pages",
+    }
+    out: dict[str, dict[str, float]] = {v: {"dram": 0.0, "ssd": 0.0} for v in names.values()}
+    for family in text_string_to_metric_families(prom.read_text()):
+        for sample in family.samples:
+            field = names.get(sample.name)
+            medium = sample.labels.get("medium")
+            if field and medium in ("dram", "ssd"):
+                out[field][medium] += sample.value
+    return out
+
+
 SPREAD_FIELDS = ("delivered_hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "throughput_tokens_per_s")
 
 
@@ -136,6 +157,12 @@ def summarize_point(reps: list[tuple[list[dict[str, Any]], Path]]) -> dict[str, 
     out["placement"] = placements[len(placements) // 2] if placements else None
     writes = sorted((w for _, run in reps if (w := l3_writes(run / "emulator.prom"))), key=lambda w: w["failed_share"])
     out["l3_writes"] = writes[len(writes) // 2] if writes else None
+    agents = [a for _, run in reps if (a := agent_counters(run / "agent.prom"))]
+    out["agent"] = (
+        {f: {m: statistics.median(a[f][m] for a in agents) for m in ("dram", "ssd")} for f in agents[0]}
+        if agents
+        else None
+    )
     return out
 
 
@@ -329,6 +356,12 @@ def format_table(report: dict[str, Any]) -> str:
                     f"{m} {v['placed']} pages placed, {100 * (v['reused_share'] or 0):.0f}% reused"
                     f" ({100 * (v.get('lost_share') or 0):.0f}% of those lost first)"
                     for m, v in p.items()) + f"; DRAM served {100 * r['dram_hit_share']:.1f}% of hits")  # fmt: skip
+            a = r.get("agent")
+            if a and (a["reclaimed_scopes"]["dram"] or a["reclaimed_scopes"]["ssd"]):
+                lines.append(f"agent {name} {r['qps']:g} QPS: placed {a['placed_pages']['dram']:.0f} DRAM / "
+                             f"{a['placed_pages']['ssd']:.0f} SSD pages; reclaimed {a['reclaimed_scopes']['dram']:.0f}"
+                             f" DRAM scopes ({a['reclaimed_bytes']['dram'] / 2**20:.0f} MiB) and "
+                             f"{a['reclaimed_scopes']['ssd']:.0f} SSD scopes (medians over repeats)")  # fmt: skip
             w = r.get("l3_writes")
             if w and w["failed"]:
                 lines.append(f"L3 writes {name} {r['qps']:g} QPS: {w['stored']} pages stored, {w['failed']} failed "

@@ -154,6 +154,9 @@ def test_end_to_end_through_locust_then_the_report(tmp_path: Path) -> None:
     assert saved["calibration"]["page_cache"]["flatcake"].startswith("bypassed")
     writes = saved["systems"]["flatcake"]["6"]["l3_writes"]  # SGLang's backup thread wrote through to FlatCake
     assert writes["stored"] > 0 and writes["failed"] == 0
+    agent = saved["systems"]["flatcake"]["6"]["agent"]  # the node agent's own counters, from its /metrics
+    assert sum(agent["placed_pages"].values()) > 0 and set(agent) >= {"reclaimed_scopes", "restored_pages"}
+    assert saved["systems"]["recompute"]["6"]["agent"] is None
     assert "| flatcake | sglang | flatcake |" in (tmp_path / "report.md").read_text()
     for row in rows.values():  # what the checks read, spreads over (here one) repeat
         assert set(row["delivered_hit_rate"]) == {"min", "median", "max"} and row["repeats"] == 1
