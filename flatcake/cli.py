@@ -200,7 +200,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 
     cfg = e2e.QUICK if args.quick else e2e.E2EConfig()
     fields = ("trace", "offset", "requests", "window_s", "qps", "time_scale", "systems", "schedulers", "placements",
-              "repeats", "model", "gpu", "prefetch_policy")  # fmt: skip
+              "storage_dram_shares", "repeats", "model", "gpu", "prefetch_policy")  # fmt: skip
     given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     if "systems" in given:
         given["systems"] = names.resolve("e2e", given["systems"], "--systems")
@@ -479,6 +479,9 @@ def _add_bench(sub: Subparsers) -> None:
     )
     e2e.add_argument("--hbm-share", type=float, dest="hbm_share", help="HBM as a share of the working set (0.125)")
     e2e.add_argument("--dram-share", type=float, dest="dram_share", help="DRAM as a share of the working set (0.25)")
+    e2e.add_argument("--storage-dram-share", type=_csv(float, "--storage-dram-share"), dest="storage_dram_shares",
+                     help="flatcake: its pool's share of the DRAM budget, the rest SGLang's host pool (0.5); "
+                     "several, comma-separated, run the split as flatcake-dramNN rows")  # fmt: skip
     e2e.add_argument("--out", default="results/e2e", help="where runs, report and plots go")
     e2e.set_defaults(func=_bench_e2e)
 
@@ -703,6 +706,12 @@ def _add_emulate(sub: Subparsers) -> None:
         choices=["log", "hicache-file", "hicache-mooncake"],
         help="tiered mode: the storage below SGLang's host tier, written through: an idealized SSD log (default), "
         "SGLang's HiCacheFile, one file per page (needs the sglang extra), or Mooncake Store (needs the peers extra)",
+    )
+    emulate.add_argument(
+        "--storage-dram-share",
+        type=float,
+        dest="storage_dram_share",
+        help="flatcake mode: FlatCake's pool's share of --dram-bytes, the rest SGLang's host pool (default: 0.5)",
     )
     emulate.add_argument(
         "--keep-page-cache",

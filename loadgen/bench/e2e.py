@@ -85,6 +85,8 @@ class E2EConfig:
     systems: tuple[str, ...] = ("flatcake", "flatcake-native", "tiered", "dram")
     schedulers: tuple[str, ...] = ("mas",)  # flatcake-native's; two run the FC-MAS ablation
     placements: tuple[str, ...] = ("table2",)  # FlatCake's placement.mode; two run the placement ablation
+    # flatcake: its pool's share of the DRAM budget (the rest SGLang's host pool); two or more run the split
+    storage_dram_shares: tuple[float, ...] = (0.5,)
     repeats: int = 3
     model: str = "dsv4-flash"
     gpu: str = "a100"
@@ -188,6 +190,7 @@ class Point:
     qps: float
     repeat: int
     placement: str = "table2"  # FlatCake's placement.mode
+    storage_dram_share: float = 0.5  # flatcake: its pool's share of the DRAM budget
 
     @property
     def label(self) -> str:
@@ -196,6 +199,8 @@ class Point:
             parts.append(str(self.scheduler))
         if self.placement != "table2":
             parts.append(self.placement)
+        if self.storage_dram_share != 0.5:
+            parts.append(f"dram{round(100 * self.storage_dram_share)}")
         return "-".join(parts)
 
 
@@ -207,14 +212,16 @@ def points(cfg: E2EConfig, rates: tuple[float, ...]) -> list[Point]:
             native, flatcake = system == "flatcake-native", system in FLATCAKES
             for sched in cfg.schedulers if native else (None,):
                 for placement in cfg.placements if flatcake else ("table2",):
-                    out += [Point(system, sched, q, rep, placement) for q in rates]
+                    for share in cfg.storage_dram_shares if system == "flatcake" else (0.5,):
+                        out += [Point(system, sched, q, rep, placement, share) for q in rates]
     return out
 
 
 def point_config(emu: EmulatorConfig, point: Point) -> EmulatorConfig:
     """The emulator's configuration for one point's system."""
     mode, l3 = EMULATE.get(point.system, (point.system, "log"))
-    return dataclasses.replace(emu, mode=mode, scheduler=point.scheduler, l3=l3, placement=point.placement)
+    return dataclasses.replace(emu, mode=mode, scheduler=point.scheduler, l3=l3, placement=point.placement,
+                               storage_dram_share=point.storage_dram_share)  # fmt: skip
 
 
 def system_rules(emu: EmulatorConfig) -> dict[str, Any]:
@@ -263,6 +270,8 @@ def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Poin
             args += ["--scheduler", emu.scheduler]
         if emu.mode in FLATCAKES:
             args += ["--placement", emu.placement]
+        if emu.mode == "flatcake":
+            args += ["--storage-dram-share", str(emu.storage_dram_share)]
         if emu.agent_socket:
             args += ["--agent-socket", emu.agent_socket]
         logs.append(open(run_dir / "emulator.log", "wb"))  # noqa: SIM115 - closed below
@@ -331,9 +340,9 @@ def run(cfg: E2EConfig, out: str | Path, log: Callable[[str], None] = print) -> 
         "working_set_pages": pages, "longest_prompt_pages": longest, "sizing": dataclasses.asdict(cfg.sizing),
         "emulator": dataclasses.asdict(emu),
         "labels": {p.label: {"system": p.system, "scheduler": p.scheduler or "fcfs", "placement": p.placement,
-                             "rules": point_config(emu, p).rules}
+                             "rules": point_config(emu, p).rules, "storage_dram_share": p.storage_dram_share}
                    for p in points(cfg, rates)},
-        "systems_run": {p.system: system_rules(point_config(emu, p)) for p in points(cfg, rates)},
+        "systems_run": {p.label: system_rules(point_config(emu, p)) for p in points(cfg, rates)},
     })  # fmt: skip
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     todo = points(cfg, rates)

@@ -49,6 +49,9 @@ class EmulatorConfig:
     # POSIX_FADV_DONTNEED), so its reads hit the device as every other system's do (O_DIRECT); False
     # leaves the page cache as the OS keeps it (memory beyond the DRAM budget serving reads).
     drop_page_cache: bool = True
+    # flatcake: the share of the DRAM budget that is FlatCake's pool; the rest is SGLang's host pool. 0: all
+    # of it SGLang's, FlatCake on SSD alone (Table 2's DRAM placements overflow to SSD).
+    storage_dram_share: float = 0.5
 
     @property
     def page_bytes(self) -> int:
@@ -75,7 +78,9 @@ class EmulatorConfig:
         """DRAM the L3 holds of ``dram_bytes``: half for an L3 that is DRAM plus SSD (FlatCake's DRAM pool,
         Mooncake's segment; SGLang's host pool, the other half, must stay larger than the GPU's pool), none
         for the others. flatcake-native has no host tier: its pool is the whole budget."""
-        if self.storage in ("flatcake", "hicache-mooncake"):
+        if self.storage == "flatcake":
+            return int(self.dram_bytes * self.storage_dram_share) // self.page_span * self.page_span
+        if self.storage == "hicache-mooncake":
             return self.dram_bytes // 2
         return self.dram_bytes if self.mode == "flatcake-native" else 0
 
@@ -144,3 +149,6 @@ class EmulatorConfig:
         if self.scheduler is not None and self.scheduler not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler: {self.scheduler!r} must be one of {', '.join(SCHEDULER_POLICIES)}")
         hicache.check_policy(self.prefetch_policy)
+        if not 0 <= self.storage_dram_share < 1:
+            raise ConfigError(f"storage_dram_share: {self.storage_dram_share!r} must be at least 0 and below 1 (the "
+                              "rest of the DRAM budget is SGLang's host pool, which cannot be empty)")  # fmt: skip

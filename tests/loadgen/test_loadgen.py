@@ -13,6 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from flatcake.errors import ConfigError
 from flatcake.loadgen.bench import e2e
 from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.emulator.core import page_keys
@@ -225,3 +226,19 @@ def test_prompt_ids_of_a_merged_multi_user_trace_and_folded_to_a_small_vocabular
     folded = [prompt_tokens(r, 8192) for r in reqs]
     assert all(0 <= t < 8192 for ids in folded for t in ids)
     assert [len(ids) for ids in folded] == [len(prompt_tokens(r)) for r in reqs]
+
+
+def test_flatcakes_dram_split_runs_as_its_own_rows(tmp_path: Path) -> None:
+    """flatcake as it ships splits the DRAM budget between SGLang's host pool and its own; --storage-dram-share
+    runs other splits beside the default half (0: everything to SGLang's host pool, FlatCake on SSD)."""
+    cfg = e2e.E2EConfig(systems=("flatcake", "tiered"), storage_dram_shares=(0.5, 0.0), repeats=1)
+    points = e2e.points(cfg, (2.0,))
+    assert sorted(p.label for p in points) == ["flatcake", "flatcake-dram0", "tiered"]
+    base = EmulatorConfig(data_dir=str(tmp_path), dram_bytes=64 << 20)
+    ssd_only = e2e.point_config(base, next(p for p in points if p.label == "flatcake-dram0"))
+    assert ssd_only.l3_dram_bytes == 0 and ssd_only.host_tier_bytes == 64 << 20
+    half = e2e.point_config(base, next(p for p in points if p.label == "flatcake"))
+    assert half.l3_dram_bytes == half.host_tier_bytes == 32 << 20
+    assert e2e.system_rules(ssd_only)["storage_dram_bytes"] == 0
+    with pytest.raises(ConfigError, match="storage_dram_share: 1.0 must be at least 0 and below 1"):
+        EmulatorConfig(storage_dram_share=1.0)
