@@ -80,7 +80,7 @@ class E2EConfig:
     offset: int = 0  # requests of the trace skipped
     requests: int | None = 100
     window_s: float | None = None  # at most this much trace time from the first kept request
-    qps: tuple[float, ...] = (2.0, 4.0, 8.0)
+    qps: tuple[float, ...] = (2.0, 4.0)  # below the modelled GPU's limit and near it (8 saturates every system)
     time_scale: tuple[float, ...] | None = None  # replay at the trace's own times x each factor, instead of qps
     systems: tuple[str, ...] = ("flatcake", "flatcake-native", "tiered", "dram")
     schedulers: tuple[str, ...] = ("mas",)  # flatcake-native's; two run the FC-MAS ablation

@@ -25,16 +25,19 @@ def lock_paths(pool_dir: str | os.PathLike[str], shm_dir: str | os.PathLike[str]
 class PoolOwner:
     """The owner locks of one agent's pools, held until ``release`` (or the process ends)."""
 
-    def __init__(self, fds: list[int], paths: list[Path]) -> None:
-        self._fds, self.paths = fds, paths
+    def __init__(self, fds: list[int], paths: list[Path], created: list[Path]) -> None:
+        self._fds, self.paths, self._created = fds, paths, created
 
     @classmethod
     def take(cls, paths: list[Path], gid: int = -1) -> PoolOwner:
         """Lock every path (created 0660, group ``gid``), or refuse naming the agent that holds one."""
         fds: list[int] = []
+        created: list[Path] = []
         try:
             for path in paths:
                 path.parent.mkdir(parents=True, exist_ok=True)
+                if not path.exists():
+                    created.append(path)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o660)
                 fds.append(fd)
                 try:
@@ -51,12 +54,16 @@ class PoolOwner:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except BaseException:
-            for fd in fds:
-                os.close(fd)
+            cls(fds, paths, created).release(remove_created=True)
             raise
-        return cls(fds, paths)
+        return cls(fds, paths, created)
 
-    def release(self) -> None:
+    def release(self, remove_created: bool = False) -> None:
+        """Drop the locks (closing drops them; the files stay for the next agent), or, for an agent that
+        failed to start, also remove the lock files it created: it leaves nothing half-made behind."""
         fds, self._fds = self._fds, []
+        if remove_created:
+            for path in self._created:
+                path.unlink(missing_ok=True)
         for fd in fds:
-            os.close(fd)  # closing drops the lock; the file stays (the next agent reuses it)
+            os.close(fd)

@@ -38,6 +38,7 @@ from flatcake.node_agent.catalog.epoch import advance as advance_epoch
 from flatcake.node_agent.catalog.files import resolve_gid, share_path
 from flatcake.node_agent.catalog.journal import Journal
 from flatcake.node_agent.catalog.local import LocalCatalog
+from flatcake.node_agent.catalog.owner import PoolOwner, lock_paths
 from flatcake.node_agent.catalog.recovery import Recovered, close_fds, page_crc_reader, recover, scan
 from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, seqlock_safe
 from flatcake.node_agent.config import EngineConfig, host_port
@@ -79,6 +80,18 @@ class Agent:
         c = self.config = config
         self.ready = False
         self.gid = resolve_gid(c.agent.group)
+        # One agent per pool, before anything is touched: a second one is refused here, naming the first,
+        # instead of advancing the epoch (fencing the first) and failing later on a port (catalog/owner.py).
+        self.owner = PoolOwner.take(lock_paths(c.ssd.dir, c.dram.shm_dir, c.dram.name), self.gid)
+        try:
+            self._open()
+        except BaseException:
+            self.owner.release(remove_created=True)
+            raise
+
+    def _open(self) -> None:
+        """Map the pools, start a new epoch, make the catalog: everything the owner locks guard."""
+        c = self.config
         self.pool = create_pool(c.ssd.dir, c.ssd.file_count, c.ssd.file_bytes, extent_policy=c.ssd.extent_policy,
                                 gid=self.gid)  # fmt: skip
         # The pool file is reused when it exists: DRAM pages survive an agent restart (not a reboot).
@@ -583,6 +596,7 @@ class Agent:
         if self.peers is not None:
             self.peers.close()
         self.dram.close(unlink=False)  # the pool outlives the agent process
+        self.owner.release()
 
 
 Handler = Callable[[Agent, Session, dict[str, Any]], Any]

@@ -599,3 +599,44 @@ def test_a_client_reconnects_to_a_restarted_agent_and_refuses_a_different_one(tm
     finally:
         e.io.close()
         a.stop()
+
+
+# ---- issue 45 item 1: one agent per pool -------------------------------------------------------------
+@pytest.mark.parametrize("fixed_port", [False, True], ids=["metrics-port-0", "metrics-port-fixed"])
+def test_a_second_agent_on_a_serving_pool_is_refused_and_the_first_keeps_serving(
+    tmp_path: Path, fixed_port: bool
+) -> None:
+    """Before, a second agent advanced the pool's epoch and replaced its shared index, then failed on the
+    port (or, with metrics_port 0, took over the socket): the first was fenced while it said ready. Now it
+    is refused before it touches anything, naming the first agent's pid and the pool; the first agent's
+    epoch, socket and pages are as they were."""
+    import dataclasses
+
+    from flatcake.net import free_port
+    from flatcake.node_agent.service.main import spawn
+
+    config = small_config(tmp_path / "node", files=4)
+    if fixed_port:
+        config = dataclasses.replace(config, agent=dataclasses.replace(config.agent, metrics_port=free_port()))
+    with (tmp_path / "first.log").open("wb") as log:
+        first = spawn(config, tmp_path / "node", log)
+    try:
+        epoch = E.current(config.ssd.dir)
+        with connect(config.agent.socket) as e:
+            put(e, ["one-0", "one-1"], SSD)
+        (tmp_path / "second.json").write_text(json.dumps(config.to_dict()))
+        exe = Path(sys.executable).parent / "flatcake"
+        second = subprocess.run([str(exe), "agent", "serve", "--config", str(tmp_path / "second.json")],
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert second.returncode == ConfigError.exit_code, second.stderr
+        assert f"pid {first.pid}" in second.stderr and config.ssd.dir in second.stderr, second.stderr
+        assert E.current(config.ssd.dir) == epoch  # the first agent was not fenced
+        with connect(config.agent.socket) as e:  # and still serves, bit-exact, writes included
+            put(e, ["two-0"], SSD)
+            dest = np.zeros((4, 3, 4096), np.uint8)
+            with e.get(["one-0", "one-1", "two-0"], dest) as restore:
+                assert restore.run() == set()
+        assert all(np.array_equal(dest[:, i], expected(k)) for i, k in enumerate(["one-0", "one-1", "two-0"]))
+    finally:
+        first.terminate()
+        first.wait(30)

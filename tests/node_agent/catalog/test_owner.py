@@ -29,7 +29,7 @@ def test_a_second_owner_is_refused_naming_the_first_and_the_pool(tmp_path: Path)
         other = lock_paths(tmp_path / "pool2", tmp_path / "shm", "kv")
         with pytest.raises(ConfigError, match="dram.name: "):
             PoolOwner.take(other)
-        assert not (tmp_path / "pool2" / "agent.lock").read_text()  # the refused one wrote nothing
+        assert not (tmp_path / "pool2" / "agent.lock").exists()  # the refused one left nothing behind
     finally:
         first.release()
     second = PoolOwner.take(paths)  # released: taken again

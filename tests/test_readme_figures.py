@@ -1,0 +1,64 @@
+"""The README's headline figures are what the committed runs say (issue 41): each is recomputed here from
+docs/results/*.json and must appear in the README as written, so a rerun that changes them fails until the
+README says the new numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+
+
+def _e2e(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _mean(report: dict, label: str, qps: float) -> float:
+    return float(report["systems"][label][f"{qps:g}"]["spread"]["ttft_mean_s"]["median"])
+
+
+def _span(values: list[float]) -> str:
+    """A ratio or a range of ratios as the README writes them: 1.16× or 1.16-2.04×."""
+    lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{lo}×" if lo == hi else f"{lo}-{hi}×"
+
+
+def e2e_ratio(report: dict, system: str, peer: str) -> str:
+    rates = sorted(float(q) for q in report["systems"][system])
+    return _span([_mean(report, system, q) / _mean(report, peer, q) for q in rates])
+
+
+def e2e_figures() -> list[str]:
+    out = []
+    for name in ("e2e-shipped.json", "e2e-shipped-trace2.json"):
+        report = _e2e(name)
+        for system, peers in (("flatcake", ("hicache-file", "tiered", "hicache-mooncake")),
+                              ("flatcake-native", ("hicache-file", "tiered"))):  # fmt: skip
+            out += [e2e_ratio(report, system, peer) for peer in peers]
+    split = _e2e("e2e-shipped-split.json")
+    out += [e2e_ratio(split, "flatcake-dram0", "hicache-file"), e2e_ratio(split, "flatcake", "hicache-file")]
+    return out
+
+
+def vllm_figure() -> str:
+    rows = {r["system"]: r for r in json.loads((RESULTS / "serve-vllm.json").read_text())["systems"]}
+    return _span([rows["flatcake"]["ttft_mean_spread_s"]["median"] / rows["vllm"]["ttft_mean_spread_s"]["median"]])
+
+
+def test_the_readmes_main_job_figures_are_the_committed_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    missing = [f for f in e2e_figures() if f not in readme]
+    assert not missing, f"figures of docs/results not in the README (rerun? update the README): {missing}"
+
+
+def test_the_vllm_figure_names_its_baseline() -> None:
+    readme = (ROOT / "README.md").read_text()
+    figure = vllm_figure()
+    at = readme.index(figure)
+    assert "prefix cache alone" in readme[at : at + 300], "the vLLM figure must say what it is measured against"
