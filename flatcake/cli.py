@@ -460,7 +460,7 @@ def _add_bench(sub: Subparsers) -> None:
     e2e.add_argument("--offset", type=int, help="requests of the trace to skip first (default 0)")
     e2e.add_argument("--requests", type=int, help="requests replayed per point (default 100)")
     e2e.add_argument("--window", type=float, dest="window_s", help="at most this many seconds of trace time")
-    e2e.add_argument("--qps", type=_csv(float, "--qps"), help="arrival rates, comma-separated (default 2,4,8)")
+    e2e.add_argument("--qps", type=_csv(float, "--qps"), help="arrival rates, comma-separated (default 2,4)")
     e2e.add_argument("--time-scale", type=_csv(float, "--time-scale"), dest="time_scale",
                      help="replay at the trace's own times x each factor, instead of --qps")  # fmt: skip
     e2e.add_argument("--systems", type=_csv(str, "--systems"),
