@@ -540,14 +540,19 @@ class Tiered(System):
                 self._op_finished(inst, job)
                 continue
             batch = job.ssd_keys[job.io_pos : job.io_pos + hicache.STORAGE_BATCH_PAGES]
-            got = self._l3_prefix(inst.node, tuple(batch), 0)  # reclaimed meanwhile: the batch stops there
-            span = self.c.page_span
-            self.read_commands += got  # whole-page reader: one command per page, all its layers
-            self.read_bytes += got * span
-            self.ssd_pages_read += got
-            done = self.ssd[inst.node].submit(self.loop.now, got * span, got)
+            got, done = self._read_batch(inst.node, batch)
             inst.io_busy = True
             self.loop.at(done, self._batch_done, inst, job, batch[:got], len(batch))
+
+    def _read_batch(self, node: int, batch: list[int]) -> tuple[int, float]:
+        """Read one batch's stored prefix from the L3 (a page reclaimed meanwhile stops it); returns how many
+        pages and when they are in: the log's whole-page reader, one command per page, all its layers."""
+        got = self._l3_prefix(node, tuple(batch), 0)
+        span = self.c.page_span
+        self.read_commands += got
+        self.read_bytes += got * span
+        self.ssd_pages_read += got
+        return got, self.ssd[node].submit(self.loop.now, got * span, got)
 
     def _batch_done(self, inst: Instance, job: Job, got: list[int], asked: int) -> None:
         inst.io_busy = False
@@ -720,28 +725,19 @@ class ShippedFlatCake(Tiered):
         self.fc.signals[node].observe(keys[:start], keys[start:])  # the backend's batch_exists sees the chain
         return self.fc.catalogs[node].exists(keys[start:])
 
-    def _pump_io(self, inst: Instance) -> None:
-        """The prefetch I/O thread: the next 128-page batch, restored by FlatCake's engine under a lease."""
-        while not inst.io_busy and inst.io:
-            job = inst.io[0]
-            op = job.op
-            assert op is not None
-            if op.terminated or job.io_pos >= op.pages:
-                self._op_finished(inst, job)
-                continue
-            batch = job.ssd_keys[job.io_pos : job.io_pos + hicache.STORAGE_BATCH_PAGES]
-            catalog = self.fc.catalogs[inst.node]
-            got = catalog.exists(batch)  # reclaimed meanwhile: the batch stops there
-            done = self.loop.now
-            if got:
-                lease = catalog.acquire(batch[:got])
-                ssd = [loc for loc in lease.locations if loc.gva >= SSD_THRESHOLD]
-                if ssd:
-                    done = self.fc._read(inst.node, ssd)
-                self.ssd_pages_read += len(ssd)
-                self.loop.at(done, catalog.release, lease.id)
-            inst.io_busy = True
-            self.loop.at(done, self._batch_done, inst, job, batch[:got], len(batch))
+    def _read_batch(self, node: int, batch: list[int]) -> tuple[int, float]:
+        """One prefetch batch restored by FlatCake's engine under a lease: SSD pages by its coalesced plan."""
+        catalog = self.fc.catalogs[node]
+        got = catalog.exists(batch)  # reclaimed meanwhile: the batch stops there
+        done = self.loop.now
+        if got:
+            lease = catalog.acquire(batch[:got])
+            ssd = [loc for loc in lease.locations if loc.gva >= SSD_THRESHOLD]
+            if ssd:
+                done = self.fc._read(node, ssd)
+            self.ssd_pages_read += len(ssd)
+            self.loop.at(done, catalog.release, lease.id)
+        return got, done
 
     def store(self, job: Job, cached: int) -> None:
         """New pages enter the host tier and are written through to FlatCake, run by run with their hints."""
