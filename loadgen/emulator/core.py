@@ -230,7 +230,8 @@ class Emulator:
         out = Outcome(len(tokens), arrival=time.monotonic())
         keys = page_keys(tokens, cfg.page_tokens)
         hbm = self._hbm_prefix(keys)
-        self.signals.observe(keys[:hbm], keys[hbm:])  # SGLang's hit query names the chain past HBM
+        if not self.sglang_like:  # under SGLang's rules the L3 backend sees the chain in its own lookups
+            self.signals.observe(keys[:hbm], keys[hbm:])  # SGLang's hit query names the chain past HBM
         media = await asyncio.get_running_loop().run_in_executor(self._pool, self.storage.media, keys[hbm:], keys[:hbm])
         self._mark_reused(keys, hbm + len(media))
         job = _Job(next(self._ids), keys, ssd_span(keys, hbm, media), out)

@@ -15,7 +15,7 @@ import numpy.typing as npt
 from flatcake.loadgen.emulator.config import EmulatorConfig, MiB
 from flatcake.loadgen.overlap import even_arrivals
 from flatcake.loadgen.systems.flatcake_pages import FlatCakePages
-from flatcake.loadgen.systems.tiered import PageStore, TieredStore
+from flatcake.loadgen.systems.tiered import ChainPageStore, PageStore, TieredStore
 from flatcake.node_agent import (
     ChainSignals,
     DramConfig,
@@ -62,7 +62,7 @@ class Storage:
                                       dram_pages=max(1, cfg.host_tier_bytes // cfg.page_span), bucket_bytes=bucket,
                                       buckets=log_buckets, workers=4, reader="whole_page", l3=l3)  # fmt: skip
 
-    def _l3(self, root: Path) -> PageStore | None:
+    def _l3(self, root: Path) -> PageStore | ChainPageStore | None:
         """SGLang's storage backend below its host tier: FlatCake's (through its engine or agent), or a
         real baseline (``real_l3``); None for the idealized log or no L3."""
         if self.cfg.storage == "flatcake":

@@ -65,24 +65,29 @@ def saturation(records: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def _counters(prom: Path, names: dict[str, str], label: str) -> dict[str, dict[str, float]] | None:
+    """The named counters of a Prometheus text file (``names``: sample name -> field), each summed by one of
+    its labels: ``{field: {label value: total}}``; None when the file is absent (no such process ran)."""
+    if not prom.exists():
+        return None
+    out: dict[str, dict[str, float]] = {field: {} for field in names.values()}
+    for family in text_string_to_metric_families(prom.read_text()):
+        for sample in family.samples:
+            field = names.get(sample.name)
+            if field is not None and label in sample.labels:
+                by = out[field]
+                by[sample.labels[label]] = by.get(sample.labels[label], 0.0) + sample.value
+    return out
+
+
 def placement(prom: Path) -> dict[str, Any] | None:
     """Placement accuracy from an emulator's counters: pages placed per medium, the share of them a
     later prompt asked for again, and the share of those gone (reclaimed) by then."""
-    if not prom.exists():
+    c = _counters(prom, {"flatcake_placed_pages_total": "placed", "flatcake_placed_reused_pages_total": "reused",
+                         "flatcake_placed_lost_pages_total": "lost"}, "medium")  # fmt: skip
+    if c is None or not any(c["placed"].values()):
         return None
-    placed: dict[str, float] = {}
-    reused: dict[str, float] = {}
-    lost: dict[str, float] = {}
-    for family in text_string_to_metric_families(prom.read_text()):
-        for sample in family.samples:
-            if sample.name == "flatcake_placed_pages_total":
-                placed[sample.labels["medium"]] = sample.value
-            elif sample.name == "flatcake_placed_reused_pages_total":
-                reused[sample.labels["medium"]] = sample.value
-            elif sample.name == "flatcake_placed_lost_pages_total":
-                lost[sample.labels["medium"]] = sample.value
-    if not any(placed.values()):
-        return None
+    placed, reused, lost = c["placed"], c["reused"], c["lost"]
     return {
         medium: {"placed": int(placed.get(medium, 0)), "reused": int(reused.get(medium, 0)),
                  "reused_share": reused.get(medium, 0) / placed[medium] if placed.get(medium) else None,
@@ -95,13 +100,8 @@ def placement(prom: Path) -> dict[str, Any] | None:
 def l3_writes(prom: Path) -> dict[str, Any] | None:
     """Pages written through to the L3 (SGLang's backup thread), stored and failed, from the emulator's
     counters; None where the system has no L3."""
-    if not prom.exists():
-        return None
-    counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(prom.read_text()):
-        for sample in family.samples:
-            if sample.name == "flatcake_l3_write_pages_total":
-                counts[sample.labels["result"]] = counts.get(sample.labels["result"], 0) + sample.value
+    c = _counters(prom, {"flatcake_l3_write_pages_total": "pages"}, "result")
+    counts = c["pages"] if c is not None else {}
     total = sum(counts.values())
     if not total:
         return None
@@ -109,25 +109,21 @@ def l3_writes(prom: Path) -> dict[str, Any] | None:
     return {"stored": int(counts.get("stored", 0)), "failed": int(failed), "failed_share": failed / total}
 
 
+AGENT_COUNTERS = {
+    "flatcake_placements_total": "placed_pages",
+    "flatcake_reclaimed_scopes_total": "reclaimed_scopes",
+    "flatcake_reclaimed_bytes_total": "reclaimed_bytes",
+    "flatcake_restore_pages_total": "restored_pages",
+}
+
+
 def agent_counters(prom: Path) -> dict[str, Any] | None:
     """A FlatCake point's node agent, from its /metrics: pages placed, scopes and bytes reclaimed and pages
     restored, by medium; None where no agent ran."""
-    if not prom.exists():
+    c = _counters(prom, AGENT_COUNTERS, "medium")
+    if c is None:
         return None
-    names = {
-        "flatcake_placements_total": "placed_pages",
-        "flatcake_reclaimed_scopes_total": "reclaimed_scopes",
-        "flatcake_reclaimed_bytes_total": "reclaimed_bytes",
-        "flatcake_restore_pages_total": "restored_pages",
-    }
-    out: dict[str, dict[str, float]] = {v: {"dram": 0.0, "ssd": 0.0} for v in names.values()}
-    for family in text_string_to_metric_families(prom.read_text()):
-        for sample in family.samples:
-            field = names.get(sample.name)
-            medium = sample.labels.get("medium")
-            if field and medium in ("dram", "ssd"):
-                out[field][medium] += sample.value
-    return out
+    return {field: {m: c[field].get(m, 0.0) for m in ("dram", "ssd")} for field in AGENT_COUNTERS.values()}
 
 
 SPREAD_FIELDS = ("delivered_hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "throughput_tokens_per_s")

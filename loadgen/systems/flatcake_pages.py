@@ -73,15 +73,3 @@ class FlatCakePages:
         except FAULTS:
             return [False] * n
         return [i < hit and i not in missing for i in range(n)]
-
-    def set(self, key: Key, page: Array) -> bool:
-        kv = aligned_empty((page.shape[0], 1, page.shape[-1]))
-        kv[:, 0] = page
-        return self.set_after([], [key], kv)
-
-    def get(self, key: Key, into: Array) -> bool:
-        staging = aligned_empty((1, *into.shape))
-        ok = self.get_rows([key], staging, [0])[0]
-        if ok:
-            into[...] = staging[0]
-        return ok

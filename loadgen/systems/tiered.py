@@ -59,10 +59,10 @@ class ExistsPageStore(PageStore, Protocol):
 
 
 @runtime_checkable
-class ChainPageStore(PageStore, Protocol):
+class ChainPageStore(Protocol):
     """An L3 told the key chain before each call's keys (SGLang's ``prefix_keys``, for a backend that asks
     for them), written ``[layers][pages][page_bytes]`` a batch at a time and read in place into rows of a
-    page-major host buffer."""
+    page-major host buffer: no page-at-a-time calls."""
 
     def exists_after(self, prefix: Sequence[Key], keys: Sequence[Key]) -> int: ...
     def set_after(self, prefix: Sequence[Key], keys: Sequence[Key], kv: Array) -> bool: ...
@@ -109,7 +109,7 @@ class TieredStore:
         workers: int = 2,
         reader: str = "whole_page",
         host_pool_pages: int = 0,
-        l3: PageStore | None = None,
+        l3: PageStore | ChainPageStore | None = None,
     ) -> None:
         if reader not in READERS:
             raise ValueError(f"reader: {reader!r} must be one of {', '.join(READERS)}")
@@ -149,7 +149,6 @@ class TieredStore:
         self.invalidated_pages = 0
         self.dropped_pages = 0  # evicted from the host tier with no L3 copy
         self.failed_backups = 0  # pages the L3 did not take
-        self.stored_backups = 0
         self.on_backup: Callable[[int, int], None] | None = None  # (stored, failed) after each backup
         # Write-through: a backup thread of its own writes each put's pages to the L3 (none without one);
         # pages queued there are held in the host tier (SGLang's host lock until the backup's ack).
@@ -166,8 +165,7 @@ class TieredStore:
             self._insert(keys, pages)
             return
         with self._lock:
-            for key in keys:
-                self._pending[key] = self._pending.get(key, 0) + 1
+            self._hold(keys, +1)
         self._insert(keys, pages)
         done = self._backup.submit(self._back_up, list(prefix), list(keys), pages)
         with self._lock:
@@ -209,7 +207,7 @@ class TieredStore:
 
     def _back_up(self, prefix: list[Key], keys: list[Key], pages: list[Array]) -> None:
         """The backup thread's work for one put: the pages into the L3, then published."""
-        stored: list[bool] = []
+        stored = [False] * len(keys)  # until the L3 says otherwise: an interrupted backup stored nothing
         try:
             if isinstance(self.store, ChainPageStore):  # the whole chain: the backend skips what it holds
                 kv = aligned_empty((self.layers, len(keys), self.page_bytes))
@@ -230,18 +228,12 @@ class TieredStore:
             stored = [False] * len(keys)
         finally:
             with self._lock:
-                for key, good in zip(keys, stored or [False] * len(keys), strict=True):
+                for key, good in zip(keys, stored, strict=True):
                     if good and self.store is not None:
                         self.l3[key] = (-1, 0)
-                    if good:
-                        self.stored_backups += 1
-                    else:
+                    if not good:
                         self.failed_backups += 1
-                    n = self._pending.get(key, 0) - 1
-                    if n > 0:
-                        self._pending[key] = n
-                    else:
-                        self._pending.pop(key, None)
+                self._hold(keys, -1)
                 self._evict()
             if self.on_backup is not None:
                 n_ok = sum(1 for ok in stored if ok)
@@ -306,14 +298,19 @@ class TieredStore:
         locked until it is scheduled (SGLang's ``inc_lock_ref`` on the matched node), so its own prefetch,
         entering the host tier, cannot evict them."""
         with self._lock:
-            for key in keys:
-                n = self._pending.get(key, 0) + delta
-                if n > 0:
-                    self._pending[key] = n
-                else:
-                    self._pending.pop(key, None)
+            self._hold(keys, delta)
             if delta < 0:
                 self._evict()
+
+    def _hold(self, keys: Sequence[Key], delta: int) -> None:
+        """Count holds on host-tier pages (a queued backup, a waiting request); eviction skips held pages.
+        Called under the lock."""
+        for key in keys:
+            n = self._pending.get(key, 0) + delta
+            if n > 0:
+                self._pending[key] = n
+            else:
+                self._pending.pop(key, None)
 
     def host_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading pages of ``keys`` the host tier holds."""
