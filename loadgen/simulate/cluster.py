@@ -429,8 +429,9 @@ class FlatCake(System):
                 return
         signals.record(keys[cached:], runs)
 
-    def _place(self, inst: Instance, keys: list[int], hints: Hints) -> bool:
-        """One put as the engine makes it; False when the pool refused it (the pages stay uncached)."""
+    def _place(self, inst: Instance, keys: list[int], hints: Hints, pin: bool = True) -> bool:
+        """One put as the engine makes it; False when the pool refused it (the pages stay uncached).
+        ``pin``: the new pages stay in ``inst``'s HBM until written (as shipped, the host tier holds them)."""
         catalog = self.catalogs[inst.node]
         try:
             alloc = catalog.allocate(keys, hints)
@@ -448,14 +449,16 @@ class FlatCake(System):
             return True
         self.placed_bytes[Medium.SSD] += sum(s.pages for s in alloc.segments) * c.page_span  # byte extents
         # New pages stay pinned in HBM until their write lands; then the key is published.
-        inst.hbm.pin(new, +1)
+        if pin:
+            inst.hbm.pin(new, +1)
         done = self.ssd[inst.node].submit(self.loop.now, len(new) * c.page_span, len(alloc.segments), write=True)
-        self.loop.at(done, self._written, inst, alloc.id, new)
+        self.loop.at(done, self._written, inst, alloc.id, new, pin)
         return True
 
-    def _written(self, inst: Instance, alloc_id: int, new: list[int]) -> None:
+    def _written(self, inst: Instance, alloc_id: int, new: list[int], pin: bool) -> None:
         self.catalogs[inst.node].publish(alloc_id, [0] * len(new))
-        inst.hbm.pin(new, -1)
+        if pin:
+            inst.hbm.pin(new, -1)
 
     def occupancy(self) -> tuple[int, int]:
         w = self.c.width
@@ -748,32 +751,14 @@ class ShippedFlatCake(Tiered):
         inst.hbm.pin(new, +1)
         done = inst.writer.submit(self.loop.now, len(new) * self.c.page_span, 1)
         self._l2_insert(inst, new)
-        signals, catalog = self.fc.signals[inst.node], self.fc.catalogs[inst.node]
+        signals = self.fc.signals[inst.node]
         runs = signals.write(keys[:cached], new, self.c.page_tokens)
-        for run in runs:
-            if not self._back_up(inst.node, catalog, new[run.start : run.stop], run.hints()):
+        for run in runs:  # FlatCake's put, from the host tier: nothing pinned in HBM for it
+            if not self.fc._place(inst, new[run.start : run.stop], run.hints(), pin=False):
                 break
         else:
             signals.record(new, runs)
         self.loop.at(done, inst.hbm.pin, new, -1)
-
-    def _back_up(self, node: int, catalog: LocalCatalog, keys: list[int], hints: Hints) -> bool:
-        try:
-            alloc = catalog.allocate(keys, hints)
-        except CapacityError:
-            self.fc.store_failures += 1
-            return False
-        if alloc is None:
-            return True
-        span = self.c.page_span
-        if alloc.medium is Medium.DRAM:
-            self.fc.placed_bytes[Medium.DRAM] += len(alloc.slots) * span
-            catalog.publish(alloc.id, [0] * len(alloc.index))
-            return True
-        self.fc.placed_bytes[Medium.SSD] += sum(g.pages for g in alloc.segments) * span
-        done = self.ssd[node].submit(self.loop.now, len(alloc.index) * span, len(alloc.segments), write=True)
-        self.loop.at(done, catalog.publish, alloc.id, [0] * len(alloc.index))
-        return True
 
     def _l3_append(self, node: int, keys: list[int]) -> float | None:
         return None  # written through already: a host eviction writes nothing
