@@ -246,7 +246,7 @@ def _simulate(args: argparse.Namespace) -> int:
     sizes = {"dram_bytes": ("--dram", args.dram), "ssd_bytes": ("--ssd", args.ssd), "hbm_bytes": ("--hbm", args.hbm)}
     given: dict[str, object] = {k: sim.parse_size(text, flag) for k, (flag, text) in sizes.items() if text is not None}
     fields = ("trace", "limit", "nodes", "gpus_per_node", "model", "gpu", "qps", "systems", "device", "scheduler",
-              "prefetch_policy", "workers", "cross_node_gbps")  # fmt: skip
+              "prefetch_policy", "workers", "cross_node_gbps", "storage_dram_share")  # fmt: skip
     given.update({n: getattr(args, n) for n in fields if getattr(args, n) is not None})
     if "systems" in given:
         given["systems"] = names.resolve("simulate", args.systems, "--systems")
@@ -468,7 +468,8 @@ def _add_bench(sub: Subparsers) -> None:
     e2e.add_argument("--scheduler", type=_csv(str, "--scheduler"), dest="schedulers",
                      help="FlatCake's scheduler(s): mas (default), fcfs, or mas,fcfs for the ablation")  # fmt: skip
     e2e.add_argument("--placement", type=_csv(str, "--placement"), dest="placements",
-                     help="FlatCake's placement.mode(s): table2 (default), adaptive, or table2,adaptive")  # fmt: skip
+                     help="FlatCake's placement.mode(s): table2 (default), adaptive, copies; a list for the "
+                          "ablation: table2,copies")  # fmt: skip
     e2e.add_argument("--repeats", type=int, help="cold runs per point (default 3); spreads are min/median/max")
     e2e.add_argument("--model", help="model preset: dsv4-flash (default) or llama3-70b-tp4")
     e2e.add_argument("--gpu", help="the modelled GPU: a100 (default) or h200")
@@ -569,10 +570,13 @@ def _add_simulate(sub: Subparsers) -> None:
     simp.add_argument("--device", help="storage profile: nvme-raid0-4x-pm9a3 (default) or this-vm")
     simp.add_argument("--scheduler", help="FlatCake's scheduler: mas (default) or fcfs")
     simp.add_argument(
-        "--placement", choices=PLACEMENT_MODES, help="FlatCake's placement.mode: table2 (default), adaptive"
+        "--placement", choices=PLACEMENT_MODES, help="FlatCake's placement.mode: table2 (default), adaptive, copies"
     )
     simp.add_argument("--prefetch-policy", dest="prefetch_policy", help="tiered: timeout (default), best_effort, ...")
     simp.add_argument("--workers", type=int, help="processes for the sweep's points (default 2)")
+    simp.add_argument("--storage-dram-share", type=float, dest="storage_dram_share",
+                      help="flatcake: FlatCake's pool's share of DRAM, the rest SGLang's host tier "
+                           "(default 0.5)")  # fmt: skip
     simp.add_argument(
         "--cross-node-gbps",
         type=float,

@@ -107,6 +107,17 @@ _SPECS = [
     Spec("flatcake_reclaimed_scopes", "counter", ("medium",), "", "Scopes freed whole by reclaim."),
     Spec("flatcake_reclaimed_bytes", "counter", ("medium",), "bytes", "Bytes freed by reclaim."),
     Spec("flatcake_placements", "counter", ("medium", "reason"), "", "Pages placed, by medium and reason."),
+    Spec(
+        "flatcake_copy_pages_held", "gauge", (), "", "DRAM copies of SSD-homed pages held now (placement.mode copies)."
+    ),
+    Spec(
+        "flatcake_copy_pages",
+        "counter",
+        ("event",),
+        "",
+        "DRAM copies by event: admitted_write, admitted_restore, served (pages leases read from a copy), evicted, "
+        "evicted_unread (evicted before any lease read them), unfilled (reserved at a restore, not filled).",
+    ),
     # Data path (counted by whoever moves the bytes: the engine, or clients reporting to the agent).
     Spec("flatcake_ssd_read_commands", "counter", (), "", "SSD read commands issued by restores."),
     Spec("flatcake_ssd_read_bytes", "counter", (), "bytes", "Bytes read from SSD by restores."),
@@ -332,7 +343,9 @@ IO_ERROR_KINDS = ("eio", "short_read", "write")
 
 # What a client may report to the agent: the engine's Stats counters (not peaks) and io_errors_<kind>
 # for an errno name; anything else is refused, so clients cannot mint Prometheus series.
-CLIENT_STATS = frozenset({*STATS_MAP, "put_pages", "restores", "write_commands", "dram_hugepage_fallback"})
+CLIENT_STATS = frozenset(
+    {*STATS_MAP, "put_pages", "restores", "write_commands", "dram_hugepage_fallback", "copy_pages_written"}
+)
 IO_ERROR_NAMES = frozenset(
     {"io_errors_short_read", "io_errors_other"} | {f"io_errors_{n.lower()}" for n in errno.errorcode.values()}
 )

@@ -44,8 +44,10 @@ class PlacementConfig:
       documents whose history outgrows DRAM; the paper's Claude Code trace averages 218,922 tokens.
     - ``agent_reply_tokens`` (τ, default 2,048): a reply this long marks tool-heavy agent work.
     - ``short_reply_tokens`` (default 512): previous replies at most this long make a short chat.
-    - ``mode``: ``table2`` (the paper's rules) or ``adaptive`` (Table 2 corrected by measured reuse
-      distances against DRAM's residence: ``policy/adaptive.py``).
+    - ``mode``: ``table2`` (the paper's rules), ``adaptive`` (Table 2 corrected by measured reuse
+      distances against DRAM's residence: ``policy/adaptive.py``) or ``copies`` (adaptive homes, and
+      sessions homed on SSD that come back within DRAM's residence get clean DRAM copies, dropped at
+      no cost under pressure: ``policy/scopes.py``).
     """
 
     agent_context_tokens: int = 32_768

@@ -19,7 +19,11 @@ HUGETLBFS_MOUNTS = {"2Mi": "/dev/hugepages", "1Gi": "/dev/hugepages1G"}
 """Where a node mounts hugetlbfs for each page size (1 GiB pages need their own mount)."""
 
 SCHEDULER_POLICIES = ("mas", "fcfs")
-PLACEMENT_MODES = ("table2", "adaptive")  # placement.mode: the paper's Table 2, or corrected by measured reuse
+PLACEMENT_MODES = (
+    "table2",
+    "adaptive",
+    "copies",
+)  # placement.mode: Table 2; corrected by measured reuse; + DRAM copies
 """FC-MAS, or SGLang's FCFS (the ablation: arrival order, a request still prefetching is skipped)."""
 
 IO_BACKENDS = ("auto", "posix", "kvikio")

@@ -30,7 +30,7 @@ from flatcake.loadgen.simulate.hbm import HbmCache
 from flatcake.loadgen.simulate.workload import SimRequest, route
 from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.node_agent import ChainSignals, Hints, PlacementConfig
-from flatcake.node_agent.catalog.local import LocalCatalog
+from flatcake.node_agent.catalog.local import Lease, LocalCatalog
 from flatcake.node_agent.policy.coalesce import plan_restore
 from flatcake.node_agent.policy.gva import SSD_THRESHOLD, Medium
 from flatcake.node_agent.policy.scheduler import Request, Scheduler
@@ -69,6 +69,7 @@ class Cluster:
     # catalogs, their pages fetched over each node's NIC at this rate (one rank's share); 0: off.
     cross_node_bytes_per_s: float = 0.0
     cross_node_latency_s: float = 20e-6  # per transfer: the lookup and lease round trips, the first byte
+    storage_dram_share: float = 0.5  # flatcake (shipped): FlatCake's pool's share of DRAM, the rest SGLang's host tier
 
     @property
     def page_span(self) -> int:
@@ -116,6 +117,7 @@ class Job:
     lookup_at: int | None = None  # tiered: the scheduling pass that asks storage again
     declined: int = 0
     io_pos: int = 0
+    l3_dram: set[int] = field(default_factory=set)  # flatcake: prefetched pages its L3 served from DRAM
 
 
 class Instance:
@@ -190,7 +192,7 @@ class System:
             if key in hbm:
                 hit["hbm"] += 1
             elif key in job.prefetched:
-                hit["remote" if key in job.remote else "ssd"] += 1
+                hit["remote" if key in job.remote else "dram" if key in job.l3_dram else "ssd"] += 1
                 staged += 1
             else:
                 break
@@ -254,7 +256,7 @@ class FlatCake(System):
         self.tables = [
             ScopeTable(node_id=n, layers=c.layers, page_bytes=c.page_layer_bytes, file_bytes=c.scope_file_bytes,
                        files=max(1, c.ssd_bytes // c.scope_file_bytes), dram_slots=max(1, c.dram_bytes // c.page_span),
-                       adaptive=c.placement.mode == "adaptive")
+                       adaptive=c.placement.mode == "adaptive", copies=c.placement.mode == "copies")
             for n in range(c.nodes)
         ]  # fmt: skip
         # The agent's catalog, without a journal: allocate (placement by Table 2, parent scopes), publish,
@@ -279,7 +281,7 @@ class FlatCake(System):
         self.signals[inst.node].observe(keys[:h], rest)  # SGLang's hit query names the chain past HBM
         n = catalog.exists(rest)
         if n:
-            lease = catalog.acquire(rest[:n])
+            lease = catalog.acquire(rest[:n], copy=True)  # copies mode: filled once read (released at store)
             job.leases.append(lease)
             for key, loc in zip(rest[:n], lease.locations, strict=True):
                 if loc.gva >= SSD_THRESHOLD:
@@ -395,7 +397,7 @@ class FlatCake(System):
             n = catalog.exists(keys[cached:]) if cached < len(keys) else 0
             if not n:
                 break
-            lease = catalog.acquire(keys[cached : cached + n])
+            lease = catalog.acquire(keys[cached : cached + n], copy=True)
             job.leases.append(lease)
             for loc in lease.locations:
                 if loc.gva < SSD_THRESHOLD:
@@ -403,7 +405,7 @@ class FlatCake(System):
                 else:
                     late.append(loc)
             cached += n
-        rec.hit["dram"] = dram
+        rec.hit["dram"] += dram
         rec.hit["ssd"] += len(late)
         ready = self._read(inst.node, late) if late else None
         self.useful_ssd_bytes += rec.hit["ssd"] * self.c.page_span
@@ -413,7 +415,7 @@ class FlatCake(System):
         inst, req = job.inst, job.req
         catalog = self.catalogs[inst.node]
         for lease in job.leases:
-            catalog.release(lease.id)
+            catalog.release(lease.id, filled(lease))  # the pages are read: their copies are filled
         job.leases.clear()
         for node, lease_id in job.remote_leases:
             self.catalogs[node].release(lease_id)
@@ -471,7 +473,14 @@ class FlatCake(System):
         for cat in self.catalogs:
             for k, v in cat.placements.snapshot().items():
                 placements[k] = placements.get(k, 0) + v
-        return {"placements_pages": placements, "store_failures": self.store_failures}
+        copies: dict[str, int] = {}
+        for t in self.tables:
+            for k, v in t.copy_stats.snapshot().items():
+                copies[k] = copies.get(k, 0) + v
+        out: dict[str, Any] = {"placements_pages": placements, "store_failures": self.store_failures}
+        if any(t.copy_index is not None for t in self.tables):
+            out["copy_pages"] = copies
+        return out
 
 
 class Tiered(System):
@@ -543,11 +552,11 @@ class Tiered(System):
                 self._op_finished(inst, job)
                 continue
             batch = job.ssd_keys[job.io_pos : job.io_pos + hicache.STORAGE_BATCH_PAGES]
-            got, done = self._read_batch(inst.node, batch)
+            got, done = self._read_batch(inst.node, batch, job)
             inst.io_busy = True
             self.loop.at(done, self._batch_done, inst, job, batch[:got], len(batch))
 
-    def _read_batch(self, node: int, batch: list[int]) -> tuple[int, float]:
+    def _read_batch(self, node: int, batch: list[int], job: Job) -> tuple[int, float]:
         """Read one batch's stored prefix from the L3 (a page reclaimed meanwhile stops it); returns how many
         pages and when they are in: the log's whole-page reader, one command per page, all its layers."""
         got = self._l3_prefix(node, tuple(batch), 0)
@@ -630,7 +639,7 @@ class Tiered(System):
                 l2.move_to_end(key)
             if cached == start:
                 break
-        rec.hit["dram"] = dram
+        rec.hit["dram"] += dram
         rest = self._l3_prefix(inst.node, keys, cached) if self.l3_enabled and cached < len(keys) else 0
         if rest:
             # SGLang reads storage only through a prefetch: what it did not bring is recomputed.
@@ -712,34 +721,37 @@ class ShippedFlatCake(Tiered):
     """FlatCake as it ships: SGLang HiCache's rules (``Tiered``'s: FCFS, prefetch at admission by one I/O thread
     in 128-page batches, declined at half the host pool, stopped by the timeout, no storage reads after
     admission) with FlatCake's backend as the L3 under SGLang's host tier, as the emulator's ``flatcake``
-    runs it: half the DRAM budget is the host tier, half FlatCake's pool; new pages are written through to
+    runs it: the DRAM budget split between the host tier and FlatCake's pool (``storage_dram_share``, half
+    each by default); new pages are written through to
     FlatCake (Table 2 placement from the chain, per run, as the backend derives it) and read back by the
     engine's coalesced plan (SSD pages) or from its DRAM pool. The agent's catalog is ``FlatCake``'s own
     (its tables, leases, reclaim), sharing this system's devices."""
 
     def __init__(self, c: Cluster, loop: EventLoop) -> None:
-        half = dataclasses.replace(c, dram_bytes=c.dram_bytes // 2)
-        super().__init__(half, loop, l3=True)
+        pool = int(c.dram_bytes * c.storage_dram_share)
+        super().__init__(dataclasses.replace(c, dram_bytes=c.dram_bytes - pool), loop, l3=True)
         self.name = "flatcake"
-        self.fc = FlatCake(half, loop)
+        self.fc = FlatCake(dataclasses.replace(c, dram_bytes=pool), loop)
         self.fc.ssd = self.ssd  # one node's devices serve both the reads and the write-throughs
 
     def _l3_prefix(self, node: int, keys: tuple[int, ...], start: int) -> int:
         self.fc.signals[node].observe(keys[:start], keys[start:])  # the backend's batch_exists sees the chain
         return self.fc.catalogs[node].exists(keys[start:])
 
-    def _read_batch(self, node: int, batch: list[int]) -> tuple[int, float]:
-        """One prefetch batch restored by FlatCake's engine under a lease: SSD pages by its coalesced plan."""
+    def _read_batch(self, node: int, batch: list[int], job: Job) -> tuple[int, float]:
+        """One prefetch batch restored by FlatCake's engine under a lease: SSD pages by its coalesced plan,
+        DRAM pages (homes, copies) from its pool (counted as DRAM hits, ``Job.l3_dram``)."""
         catalog = self.fc.catalogs[node]
         got = catalog.exists(batch)  # reclaimed meanwhile: the batch stops there
         done = self.loop.now
         if got:
-            lease = catalog.acquire(batch[:got])
+            lease = catalog.acquire(batch[:got], copy=True)
             ssd = [loc for loc in lease.locations if loc.gva >= SSD_THRESHOLD]
+            job.l3_dram.update(k for k, loc in zip(batch, lease.locations, strict=False) if loc.gva < SSD_THRESHOLD)
             if ssd:
                 done = self.fc._read(node, ssd)
             self.ssd_pages_read += len(ssd)
-            self.loop.at(done, catalog.release, lease.id)
+            self.loop.at(done, catalog.release, lease.id, filled(lease))
         return got, done
 
     def store(self, job: Job, cached: int) -> None:
@@ -770,6 +782,12 @@ class ShippedFlatCake(Tiered):
 
     def counters(self) -> dict[str, Any]:
         return self.fc.counters()
+
+
+def filled(lease: Lease) -> list[int]:
+    """What the engine reports to ``release`` once a lease's pages are read: every copy it was asked
+    for filled (the simulator's pages have checksum 0)."""
+    return [0 for slot in lease.copies if slot >= 0]
 
 
 def make(name: str, c: Cluster, loop: EventLoop) -> System:

@@ -68,6 +68,7 @@ class SimConfig:
     staging_slot_bytes: int = 8 * MiB
     streams: int = 4
     cross_node_gbps: float = 0.0  # FlatCake's reads from other nodes: each node's NIC, Gb/s; 0: off
+    storage_dram_share: float = 0.5  # flatcake (shipped): FlatCake's pool's share of DRAM (the emulator's too)
     samples: int = 100  # occupancy samples per point
     workers: int = 2  # processes for a sweep
 
@@ -85,6 +86,9 @@ class SimConfig:
             raise ConfigError(f"--scheduler: {self.scheduler!r} must be one of {', '.join(SCHEDULER_POLICIES)}")
         if self.prefetch_policy not in hicache.PREFETCH_POLICIES:
             raise ConfigError(f"--prefetch-policy: must be one of {', '.join(hicache.PREFETCH_POLICIES)}")
+        if not 0 <= self.storage_dram_share < 1:
+            raise ConfigError(f"--storage-dram-share: {self.storage_dram_share} must be in [0, 1): SGLang's host "
+                              "tier keeps the rest, and it needs some to prefetch into")  # fmt: skip
         if self.cross_node_gbps < 0:
             raise ConfigError(f"--cross-node-gbps: {self.cross_node_gbps} must be >= 0 (0: no reads across nodes)")
         if self.device_ranks is not None and self.device_ranks < 1:
@@ -123,6 +127,7 @@ def cluster(cfg: SimConfig) -> Cluster:
         scheduler=cfg.scheduler, gap_bytes=cfg.gap_bytes, staging_slot_bytes=cfg.staging_slot_bytes,
         streams=cfg.streams, prefetch_policy=cfg.prefetch_policy, scope_file_bytes=cfg.scope_file_bytes,
         device_ranks=cfg.device_ranks or width, cross_node_bytes_per_s=cfg.cross_node_gbps * 1e9 / 8,
+        storage_dram_share=cfg.storage_dram_share,
     )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.keyindex import U64, Digests, pack
 from flatcake.node_agent.policy.placement import Hints, Key, PlacementCounts, decide
 from flatcake.node_agent.policy.scopes import (
+    CopyReservation,
     Location,
     Reservation,
     Scope,
@@ -50,6 +51,9 @@ class Allocation:
     segments: list[Segment] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     epoch: int = 0  # the agent's epoch when allocated (0: no agent, nothing to fence)
+    # SSD, copies mode: a DRAM slot per new page that gets a clean copy of it too (written with the SSD
+    # segments, published with them).
+    copy_slots: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,9 @@ class Lease:
     # reads (whatever io.verify_reads says), so a damaged page is a miss even before the scan finds it.
     verify: bool = False
     epoch: int = 0  # the agent epoch that granted it (0: no agent): its pins end with that epoch
+    # Copies mode, asked for with ``acquire(copy=True)``: per location, a DRAM slot the reader copies the
+    # page into once it has read (and checked) it, or -1. ``release(copied=...)`` says which it filled.
+    copies: list[int] = field(default_factory=list)
 
 
 class Catalog(Protocol):
@@ -71,8 +78,8 @@ class Catalog(Protocol):
     def publish(self, alloc_id: int, checksums: Sequence[int]) -> None: ...
     def abort(self, alloc_id: int) -> None: ...
     def exists(self, keys: Sequence[Key]) -> int: ...
-    def acquire(self, keys: Sequence[Key]) -> Lease: ...
-    def release(self, lease_id: int) -> None: ...
+    def acquire(self, keys: Sequence[Key], copy: bool = False) -> Lease: ...
+    def release(self, lease_id: int, copied: Sequence[int] | None = None) -> None: ...
     def close(self) -> None: ...
 
 
@@ -93,7 +100,7 @@ class LocalCatalog:
         self.placements = PlacementCounts()
         self.journal = journal
         self._allocs: dict[int, tuple[Reservation, list[int]]] = {}
-        self._leases: dict[int, set[int]] = {}
+        self._leases: dict[int, tuple[set[int], CopyReservation | None]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         # Held from a publish's journal append until its pages are in the table, and by a compaction's
@@ -130,8 +137,9 @@ class LocalCatalog:
         with self._lock:
             self._allocs[alloc_id] = (res, new)
         return Allocation(
-            alloc_id, new, res.scope.medium, res.decision.reason.value, res.segments, res.slots, self.epoch
-        )
+            alloc_id, new, res.scope.medium, res.decision.reason.value, res.segments, res.slots, self.epoch,
+            res.copy_slots,
+        )  # fmt: skip
 
     def _take(self, alloc_id: int) -> Reservation:
         with self._lock:
@@ -178,8 +186,11 @@ class LocalCatalog:
     def exists(self, keys: Sequence[Key]) -> int:
         return self.table.hit_prefix(keys)
 
-    def acquire(self, keys: Sequence[Key]) -> Lease:
-        found = self.table.pin(keys)
+    def acquire(self, keys: Sequence[Key], copy: bool = False) -> Lease:
+        """Pin ``keys``' pages for a read. ``copy``: the reader can fill DRAM copies of the SSD pages it
+        reads (copies mode; ``Lease.copies``), and reports them to ``release``."""
+        d = key_digests(keys)
+        found = self.table.pin(keys, d)
         if not found.hit.all():
             i = int(np.flatnonzero(~found.hit)[0])
             raise UnknownKeyError(
@@ -189,17 +200,31 @@ class LocalCatalog:
         locs = cast(list[Location], as_locations(found))
         lease_id = next(self._ids)
         scopes = set(found.scope.tolist())
-        with self._lock:
-            self._leases[lease_id] = scopes
         verify = bool(self.unverified) and not self.unverified.isdisjoint(scopes)
-        return Lease(lease_id, locs, found.crc.tolist(), verify)
-
-    def release(self, lease_id: int) -> None:
+        # Not while the post-restart scan is due: a copy is made only of bytes checked against the home's crc.
+        cres = self.table.reserve_copies(found, d) if copy and not verify else None
         with self._lock:
-            scopes = self._leases.pop(lease_id, None)
-        if scopes is None:
+            self._leases[lease_id] = (scopes, cres)
+        copies: list[int] = []
+        if cres is not None:
+            copies = [-1] * len(locs)
+            for i, slot in zip(cres.at, cres.slots, strict=True):
+                copies[i] = slot
+        return Lease(lease_id, locs, found.crc.tolist(), verify, copies=copies)
+
+    def release(self, lease_id: int, copied: Sequence[int] | None = None) -> None:
+        """End a lease. ``copied``: for each slot of ``Lease.copies`` that is not -1, in order, the crc32
+        of the copy the reader made there, or -1 where it made none; copies are served from now on."""
+        with self._lock:
+            entry = self._leases.pop(lease_id, None)
+        if entry is None:
             raise UnknownHandleError(f"lease {lease_id}: unknown (released already or expired)")
-        self.table.unpin(scopes)
+        scopes, cres = entry
+        try:
+            if cres is not None:  # before the unpin: the scopes cannot be freed under it
+                self.table.publish_copies(cres, list(copied or []))
+        finally:
+            self.table.unpin(scopes)
 
     def pages_of(self, scope_id: int) -> list[tuple[bytes, Location, int]]:
         """Each stored page of a scope (its 16-byte key digest) with its published crc32 (the

@@ -73,6 +73,7 @@ def local_table(c: EngineConfig) -> ScopeTable:
         high_watermark=c.ssd.high_watermark,
         low_watermark=c.ssd.low_watermark,
         adaptive=c.placement.mode == "adaptive",
+        copies=c.placement.mode == "copies",
     )
 
 
@@ -231,6 +232,9 @@ class Engine:
             self._dram3[alloc.slots] = pages.transpose(1, 0, 2)
             self.stats.add("write_bytes_dram", pages.nbytes)
             return
+        if alloc.copy_slots:  # clean DRAM copies of pages homed on SSD (copies mode)
+            self._dram3[alloc.copy_slots] = pages.transpose(1, 0, 2)
+            self.stats.add("copy_pages_written", len(alloc.copy_slots))
         futures: list[Future[int]] = []
         for i, seg in enumerate(alloc.segments):
             bufs = [pages[layer, seg.first_page : seg.first_page + seg.pages] for layer in range(pages.shape[0])]
@@ -298,7 +302,8 @@ class Engine:
         paged = isinstance(dest, PagedTarget)
         checker = self._check_target if paged else self._check_dest
         pages = checker(dest, len(keys), dest_pages)
-        lease = self.catalog.acquire(keys)
+        # DRAM copies are filled from host destinations only (a device restore would need a copy back).
+        lease = self.catalog.acquire(keys, copy=not on_gpu)
         hold = contextlib.ExitStack()
         try:
             self._hold_epoch(lease, hold)
@@ -309,10 +314,13 @@ class Engine:
             self.stats.add("restore_pages_dram", len(at.dram_src))
             self.stats.add("restore_pages_ssd", len(at.ssd))
 
+            restore: list[HostRestore] = []  # set below: what the copies are filled from
+
             def release() -> None:
+                copied = self._fill_copies(lease, restore[0], pages) if lease.copies and restore else None
                 hold.close()  # the pages are copied: a restarted agent may begin
                 try:
-                    self.catalog.release(lease.id)
+                    self.catalog.release(lease.id, copied)
                 except (ConnectionError, UnknownHandleError):
                     if not lease.epoch:
                         raise
@@ -321,7 +329,9 @@ class Engine:
 
             if on_gpu:
                 return self._get_device(dest, at, want, mode, release)
-            return self._get_host(dest, at, want, mode, release)
+            host = self._get_host(dest, at, want, mode, release)
+            restore.append(host)
+            return host
         except FencedError:
             with hold, contextlib.suppress(FlatCakeError, ConnectionError, OSError):  # the old agent is gone
                 self.catalog.release(lease.id)
@@ -330,6 +340,29 @@ class Engine:
             with hold:
                 self.catalog.release(lease.id)
             raise
+
+    def _fill_copies(self, lease: Lease, restore: HostRestore, pages: Sequence[int]) -> list[int]:
+        """Copy each page the lease asked copies of from the destination, where it now lies whole and
+        checked, into its DRAM slot; the crc32 of each copy, or -1 where the restore did not finish or the
+        page is missing (nothing then serves that slot)."""
+        want = [i for i, slot in enumerate(lease.copies) if slot >= 0]
+        target = restore.target
+        if not restore.complete or target.limits is not None:
+            return [-1] * len(want)
+        fill = [i for i in want if i not in restore.missing]
+        crc = dict.fromkeys(want, -1)
+        c, dram3 = self.config, self._dram3
+        for at in range(0, len(fill), 64):  # a bounded gather buffer: 64 pages at a time
+            part = fill[at : at + 64]
+            buf = np.zeros((len(part), c.layers, c.page_bytes), np.uint8)
+            dst = np.asarray([pages[i] for i in part], np.int64)
+            for layer in range(c.layers):
+                target.read_pages(layer, dst, buf[:, layer])
+            dram3[[lease.copies[i] for i in part]] = buf
+            for j, i in enumerate(part):
+                crc[i] = page_checksum(buf[j][:, None, :], 0)
+        self.stats.add("copy_pages_written", len(fill))
+        return [crc[i] for i in want]
 
     def _hold_epoch(self, lease: Lease, hold: contextlib.ExitStack) -> None:
         """A restore under an agent's lease holds the agent's epoch until it closes (catalog/epoch.py):

@@ -97,12 +97,17 @@ class HostRestore(LayerStream):
         self._crc = np.zeros((layers, len(ssd_dest)), dtype=np.uint32) if check is not None else None
         self._staged_now = 0
         self._rest_issued = self._closed = False
+        self.complete = False  # every layer landed and was accounted for (``missing`` is final)
         self._mem = target.memory.data
         # Per piece (in command order): its layer, its plan page, and where its pieces land in memory.
         self._piece_layer, self._piece_page = np.divmod(cmds.piece_index, max(plan.pages, 1))
         if direct:
             self._spans = self._direct_spans()
         self.start()
+
+    @property
+    def target(self) -> PagedTarget:
+        return self._target
 
     # ---- planning (the restore's thread) --------------------------------------------------------------
     def _direct_spans(self) -> tuple[Ints, Ints, Ints]:
@@ -265,6 +270,7 @@ class HostRestore(LayerStream):
                 self._copy_dram(layer)
                 yield layer
             self._account()
+            self.complete = True
         finally:
             self._finish()
 

@@ -99,6 +99,15 @@ class PagedTarget:
         mine = at < self._end_rows[pages][:, None]
         self._rows[at[mine]] = src[mine]
 
+    def read_pages(self, layer: int, pages: Ints, out: npt.NDArray[np.uint8]) -> None:
+        """Layer ``layer`` of destination pages ``pages`` into ``out[i, :raw_bytes]`` (the reverse of
+        ``write``: a DRAM copy of what a restore put here). Not for targets with ``limits``, whose pages
+        keep only part of what was stored."""
+        if self._end_rows is not None:
+            raise ValueError("read_pages: this target keeps only part of each stored page (limits)")
+        at = self._page_rows[pages][:, None] + (layer * self.layer_stride) // self.unit + self._piece_rows[None, :]
+        out[:, : self.raw_bytes].reshape(len(pages), -1, self.unit)[...] = self._rows[at]
+
     def read(self, layer: int, page: int) -> npt.NDArray[np.uint8]:
         """Layer ``layer`` of destination page ``page`` as its stored bytes (a copy; for checks and tests)."""
         at = self._page_rows[page] + (layer * self.layer_stride) // self.unit + self._piece_rows

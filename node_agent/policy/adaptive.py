@@ -57,18 +57,32 @@ class ReuseModel:
         self.reuse = _mean(self.reuse, idle_ticks)
         self.samples += 1
 
-    def adjust(self, decision: Decision, session_reuse: int | None, oldest_idle: int = 0) -> Decision:
+    def residence_now(self, oldest_idle: int = 0) -> float:
+        """How long DRAM keeps what it holds, in ticks: unbounded until it first reclaims."""
+        return math.inf if self.residence is None else max(self.residence, oldest_idle)
+
+    def copy_pays(self, session_reuse: int | None, oldest_idle: int = 0) -> bool:
+        """``placement.mode: copies``: whether a DRAM copy of a session's SSD pages is likely read before
+        reclaim frees it. Only on evidence (the session came back, ``session_reuse`` ticks after a write)
+        and only when it came back within DRAM's residence; a copy costs nothing to drop, so the margin
+        promotions need (``PROMOTE_MARGIN``) does not apply."""
+        return session_reuse is not None and session_reuse < self.residence_now(oldest_idle)
+
+    def adjust(
+        self, decision: Decision, session_reuse: int | None, oldest_idle: int = 0, promote: bool = True
+    ) -> Decision:
         """Table 2's ``decision`` for a new scope, corrected by the reuse distance expected for it
         (``session_reuse``: its session's latest, if it has come back before). ``oldest_idle``: the
-        idle ticks of the least recently used scope DRAM holds now."""
-        residence = math.inf if self.residence is None else max(self.residence, oldest_idle)
+        idle ticks of the least recently used scope DRAM holds now. ``promote=False`` (copies mode): an
+        SSD choice stays on SSD, whose session gets DRAM copies instead of a DRAM home."""
+        residence = self.residence_now(oldest_idle)
         expected = session_reuse if session_reuse is not None else self.reuse
         if expected is None:
             return decision
         if decision.medium is Medium.DRAM and expected > residence:
             self.to_ssd += 1
             return Decision(Medium.SSD, Reason.REUSE_BEYOND_DRAM)
-        soon = session_reuse is not None and session_reuse < PROMOTE_MARGIN * residence
+        soon = promote and session_reuse is not None and session_reuse < PROMOTE_MARGIN * residence
         if decision.medium is Medium.SSD and soon:
             self.to_dram += 1
             return Decision(Medium.DRAM, Reason.REUSE_WITHIN_DRAM)

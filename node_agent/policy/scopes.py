@@ -19,6 +19,14 @@ seqlock), entries are inserted only after their bytes are written (publish after
 is deleted before its space can be reused (reclaim happens under the lock, and only for unpinned
 scopes). A reader that wants to read bytes pins first; ``pin`` re-validates each entry under the lock.
 
+DRAM copies (``placement.mode: copies``): a scope homed on SSD may also hold clean copies of some of
+its pages in DRAM slots, kept in a second index (``copy_index``) that only ``pin`` consults, so a
+lease reads a copied page from DRAM and the rest from SSD in one plan. The home index, the journal
+and recovery never see copies: a copy is a cache entry, never the only copy, so dropping one (DRAM
+pressure, a restart) loses nothing. Copies are admitted on evidence of reuse (the session came back
+within DRAM's residence, ``adaptive.ReuseModel.copy_pays``) at write time (the writer's bytes go to
+both) or at a restore (the reader copies what it read, ``reserve_copies``/``publish_copies``).
+
 Why one module of this size: the scope table, allocation, publish and reclaim keep one invariant
 together (a scope's pages, index entries and extents are freed at once, never under a pin), and it
 is checked in one place; the index (keyindex.py) and extents (extents.py) are apart.
@@ -70,10 +78,17 @@ class Scope:
     written: int = 0
     reread: bool = False
     reuse: int | None = None
+    # Copies mode, SSD scopes: DRAM slots holding clean copies of some pages, and those pages' digests.
+    copy_slots: list[int] = field(default_factory=list)
+    copy_keys: Pages = field(default_factory=Pages)
 
     def units(self) -> int:
         """Space held: bytes on SSD, slots on DRAM."""
         return sum(e.length for e in self.extents) if self.medium is Medium.SSD else len(self.slots)
+
+    def dram_units(self) -> int:
+        """DRAM slots held: a DRAM scope's pages, an SSD scope's copies."""
+        return len(self.slots) + len(self.copy_slots)
 
 
 # Reasons that are evidence for a medium; ONE_SHOT (turn 1, or no hints at all) is the absence of any.
@@ -122,6 +137,33 @@ class Reservation:
     # Each page's GVA and layer stride, in ``keys`` order (columns: the index takes them as they are).
     gva: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, np.uint64))
     stride: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    copy_slots: list[int] = field(default_factory=list)  # SSD, copies mode: a DRAM copy of each page too
+
+
+@dataclass
+class CopyReservation:
+    """DRAM slots taken for copies of a lease's SSD pages, filled by the reader from what it read."""
+
+    at: list[int]  # the pages' positions in the lease
+    digests: Digests
+    scopes: list[int]
+    slots: list[int]
+
+
+@dataclass
+class CopyStats:
+    """Copies mode, in pages: admitted (at write, at restore), served by leases, evicted (and of
+    those, evicted before any lease read them: admission's misses)."""
+
+    admitted_write: int = 0
+    admitted_restore: int = 0
+    served: int = 0
+    evicted: int = 0
+    evicted_unread: int = 0
+    unfilled: int = 0  # reserved at a restore, not filled by the reader (it failed or stopped early)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(vars(self))
 
 
 class Victim(NamedTuple):
@@ -152,6 +194,17 @@ def plan_reclaim(victims: Sequence[Victim], used: int, capacity: int, need: int,
     return chosen
 
 
+class Clock:
+    """The table's logical clock: one tick per allocation and per lease (``next``); ``now`` reads it."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __next__(self) -> int:
+        self.now += 1
+        return self.now
+
+
 GHOSTS = 1 << 14  # adaptive placement: reclaimed-unread DRAM scopes remembered (their last page, 32 bytes)
 
 
@@ -174,6 +227,7 @@ class ScopeTable:
         high_watermark: float = 0.9,
         low_watermark: float = 0.8,
         adaptive: bool = False,
+        copies: bool = False,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(f"watermarks: need 0 < low ({low_watermark}) <= high ({high_watermark}) <= 1")
@@ -194,10 +248,13 @@ class ScopeTable:
         self.dram = SlotAllocator(dram_slots)
         self._pending: set[Key] = set()
         self._ids = itertools.count(1)
-        self._clock = itertools.count(1)
+        self._clock = Clock()
         self.reclaimed = {Medium.DRAM: ReclaimStats(), Medium.SSD: ReclaimStats()}
         self.on_free: Callable[[Scope], None] | None = None  # told of every scope freed (journal)
-        self.reuse = ReuseModel() if adaptive else None  # placement.mode adaptive: learns from leases, reclaim
+        self.reuse = ReuseModel() if adaptive or copies else None  # adaptive, copies: learns from leases, reclaim
+        self.copy_index = KeyIndex() if copies else None  # copies mode: digest -> its DRAM copy (module doc)
+        self.copy_stats = CopyStats()
+        self._copy_read = np.zeros(dram_slots if copies else 0, bool)  # per DRAM slot: its copy was read
         self._ghosts: OrderedDict[tuple[int, int], int] = OrderedDict()  # see _adapt
 
     def use_index(self, index: KeyIndex) -> None:
@@ -288,8 +345,9 @@ class ScopeTable:
             pd = key_digests([parent]) if parent is not None else None  # hashed once: found, then compared
             loc = as_locations(self.find_digests(pd))[0] if pd is not None else None
             scope = self.scopes.get(loc.scope) if loc is not None else None
+            session: int | None = None
             if self.reuse is not None:
-                decision = self._adapt(decision, scope, digests)
+                decision, session = self._adapt(decision, scope, digests)
             if scope is not None and pd is not None and not _continues(scope, pd):
                 # The parent lies inside another run (a shared prompt stored by another session): these
                 # pages do not continue that scope, so they get one of their own, placed by their hints.
@@ -309,6 +367,10 @@ class ScopeTable:
             if decision.medium is Medium.SSD:
                 res = self._reserve_ssd(keys, digests, scope, decision)
             assert res is not None
+            if self.copy_index is not None and res.scope.medium is Medium.SSD:
+                # New pages get a DRAM copy as they are written (the writer has them in memory) while DRAM
+                # has room, or over older copies when the session came back within DRAM's residence.
+                res.copy_slots = self._take_copy_slots(len(keys), res.scope, self._copy_pays(session))
             res.scope.pins += 1
             res.scope.last_used = res.scope.written = next(self._clock)
             res.scope.reread = False
@@ -322,8 +384,10 @@ class ScopeTable:
         if n > self.dram.slots - (len(scope.slots) if scope else 0):
             return None  # can never fit: overflow to SSD without evicting anything first
         if self.dram.free < n and decision.reason is not Reason.REUSE_WITHIN_DRAM:
-            # A promotion (adaptive) only takes free slots: evicting for it reclaimed whole scopes that
-            # were about to be read (their only copy), which cost more than the promotion gained.
+            # A home displaces copies first (they lose nothing), then other homes, oldest first. A promotion
+            # (adaptive) only takes free slots: evicting for it reclaimed whole scopes that were about to
+            # be read (their only copy), which cost more than the promotion gained.
+            self._evict_copies(n, keep=None)
             self._reclaim(Medium.DRAM, n, keep=scope)
         if self.dram.free < n:
             return None
@@ -418,6 +482,9 @@ class ScopeTable:
             crc = np.zeros(n, np.int64) if checksums is None else np.asarray(checksums, np.int64)
             self.index.put(d, res.scope.id, res.gva, res.stride, crc)
             res.scope.keys.extend(d)
+            if res.copy_slots:
+                self._add_copies(res.scope, d, res.copy_slots, crc)
+                self.copy_stats.admitted_write += len(res.copy_slots)
             self._pending.difference_update(res.keys)
             res.scope.pins -= 1
 
@@ -430,6 +497,8 @@ class ScopeTable:
                 self.dram.release(res.slots)
                 drop = set(res.slots)
                 res.scope.slots = [s for s in res.scope.slots if s not in drop]
+            if res.copy_slots:
+                self.dram.release(res.copy_slots)
             for seg in reversed(res.segments):
                 self._give_back(res.scope, seg)
             if res.new_scope and not res.scope.keys and res.scope.pins == 0:
@@ -448,11 +517,12 @@ class ScopeTable:
                     scope.extents[i] = ext._replace(length=start - ext.offset)
                 return
 
-    def pin(self, keys: Sequence[Key]) -> Found:
+    def pin(self, keys: Sequence[Key], digests: Digests | None = None) -> Found:
         """Find ``keys`` and, when every one is stored, pin their scopes, in one step under the lock
         (a reader about to read their bytes: nothing can reclaim them in between). ``Found`` says which
-        were not (nothing is pinned then)."""
-        d = key_digests(keys)
+        were not (nothing is pinned then). A page with a DRAM copy is found at its copy (copies mode);
+        its scope, the one pinned, is its home's."""
+        d = key_digests(keys) if digests is None else digests
         with self.lock:
             found = self.index.find(d, stable_only=False)
             assert found is not None
@@ -463,7 +533,139 @@ class ScopeTable:
                     scope.pins += 1
                     self._came_back(scope, now)
                     scope.last_used = now
+                if self.copy_index:
+                    found = self._at_copies(found, d)
             return found
+
+    def _at_copies(self, found: Found, d: Digests) -> Found:
+        assert self.copy_index is not None
+        c = self.copy_index.find(d, stable_only=False)
+        assert c is not None
+        if not c.hit.any():
+            return found
+        hit = c.hit
+        self.copy_stats.served += int(hit.sum())
+        self._copy_read[self._slot_of(c.gva[hit])] = True
+        return found._replace(
+            gva=np.where(hit, c.gva, found.gva),
+            stride=np.where(hit, c.stride, found.stride),
+            crc=np.where(hit, c.crc, found.crc),
+        )
+
+    # ---- DRAM copies (copies mode) -------------------------------------------------------------
+    def _copy_pays(self, session: int | None) -> bool:
+        assert self.reuse is not None
+        if session is None:
+            return False
+        now = self._clock.now
+        return self.reuse.copy_pays(session, now - self._oldest_dram_use(now))
+
+    def _oldest_dram_use(self, now: int) -> int:
+        if self.reuse is None or self.reuse.residence is None:  # the scan matters only once DRAM has reclaimed
+            return now
+        return min((s.last_used for s in self.scopes.values() if s.dram_units()), default=now)
+
+    def _take_copy_slots(self, n: int, keep: Scope | None, evidence: bool) -> list[int]:
+        """DRAM slots for ``n`` copies: free ones, or, on ``evidence`` that they will be read, ones older
+        copies give up (``_evict_copies``); none when they cannot fit. A copy never displaces a DRAM home."""
+        if self.dram.free < n and evidence:
+            self._evict_copies(n, keep)
+        return self.dram.alloc(n) if self.dram.free >= n else []
+
+    def _evict_copies(self, n: int, keep: Scope | None) -> None:
+        """Drop the least recently used copies (never ``keep``'s or a pinned scope's) until ``n`` slots are
+        free, or none when even all of them would not do."""
+        if self.dram.free >= n or n > self.dram.slots:
+            return
+        victims = [
+            Victim(s.id, s.last_used, len(s.copy_slots), s.pins > 0 or s is keep)
+            for s in self.scopes.values()
+            if s.copy_slots
+        ]
+        for sid in plan_reclaim(victims, self.used(Medium.DRAM), self.dram.slots, n, 1.0, 1.0):
+            self._drop_copies(self.scopes[sid], count=True)
+
+    def _add_copies(self, scope: Scope, d: Digests, slots: Sequence[int], crc: npt.NDArray[np.int64]) -> None:
+        assert self.copy_index is not None
+        gva = np.asarray(slots, np.uint64) * np.uint64(self.page_span) + np.uint64(
+            G.encode(Medium.DRAM, self.node_id, 0)
+        )
+        self.copy_index.put(d, scope.id, gva, np.full(len(slots), self.page_bytes, np.int64), crc)
+        scope.copy_slots.extend(slots)
+        scope.copy_keys.extend(d)
+        self._copy_read[list(slots)] = False
+
+    def _slot_of(self, gva: U64) -> npt.NDArray[np.int64]:
+        return ((gva & np.uint64(G.MAX_OFFSET)) // np.uint64(self.page_span)).astype(np.int64)
+
+    def _drop_copies(self, scope: Scope, count: bool) -> None:
+        """Free every copy ``scope`` holds (its pages stay served from SSD)."""
+        if not scope.copy_slots:
+            return
+        assert self.copy_index is not None
+        n = len(scope.copy_slots)
+        if count:
+            self.copy_stats.evicted += n
+            self.copy_stats.evicted_unread += int((~self._copy_read[scope.copy_slots]).sum())
+            if self.reuse is not None:
+                self.reuse.reclaimed(self._clock.now - scope.last_used)
+            self.reclaimed[Medium.DRAM].scopes += 1
+            self.reclaimed[Medium.DRAM].bytes += n * self.page_span
+        self.copy_index.remove(scope.copy_keys.digests())
+        self.dram.release(scope.copy_slots)
+        scope.copy_slots = []
+        scope.copy_keys.clear()
+
+    def reserve_copies(self, found: Found, d: Digests) -> CopyReservation | None:
+        """Copies mode: DRAM slots for copies of the SSD pages of a lease just pinned (``found``, from
+        ``pin``), for the scopes whose session came back within DRAM's residence. The reader fills them
+        from what it read and hands them to ``publish_copies``; until then no reader finds them."""
+        if self.copy_index is None:
+            return None
+        with self.lock:
+            on_ssd = np.flatnonzero(found.hit & (found.gva >= np.uint64(G.SSD_THRESHOLD)))
+            want: list[int] = []
+            slots: list[int] = []
+            for sid in dict.fromkeys(found.scope[on_ssd].tolist()):  # scope by scope, in lease order
+                pages = on_ssd[found.scope[on_ssd] == sid].tolist()
+                got = self._take_copy_slots(len(pages), None, self._copy_pays(self.scopes[sid].reuse))
+                if got:
+                    want += pages
+                    slots += got
+            if not want:
+                return None
+            at = np.asarray(want, np.int64)
+            return CopyReservation(want, (d[0][at], d[1][at]), found.scope[at].tolist(), slots)
+
+    def publish_copies(self, cres: CopyReservation, crc: Sequence[int]) -> int:
+        """The reader filled the copies whose ``crc`` is not negative (one per reserved page, the crc32
+        of the copy's bytes): serve them from now on; free the rest. Call while the lease still pins
+        the scopes. Returns the copies published."""
+        assert self.copy_index is not None
+        if len(crc) != len(cres.slots):
+            crc = [-1] * len(cres.slots)  # a reader that does not say what it filled filled nothing
+        with self.lock:
+            known = self.copy_index.find(cres.digests, stable_only=False)
+            home = self.index.find(cres.digests, stable_only=False)
+            assert known is not None and home is not None
+            unused: list[int] = []
+            per_scope: dict[int, list[int]] = {}
+            for j, (sid, value) in enumerate(zip(cres.scopes, crc, strict=True)):
+                ok = value >= 0 and not known.hit[j] and home.hit[j] and int(home.scope[j]) == sid
+                if ok and sid in self.scopes:
+                    per_scope.setdefault(sid, []).append(j)
+                else:
+                    unused.append(cres.slots[j])
+            self.copy_stats.unfilled += sum(1 for v in crc if v < 0)
+            if unused:
+                self.dram.release(unused)
+            for sid, js in per_scope.items():
+                at = np.asarray(js, np.int64)
+                self._add_copies(self.scopes[sid], (cres.digests[0][at], cres.digests[1][at]),
+                                 [cres.slots[j] for j in js], np.asarray([crc[j] for j in js], np.int64))  # fmt: skip
+            published = sum(len(js) for js in per_scope.values())
+            self.copy_stats.admitted_restore += published
+            return published
 
     def unpin(self, scope_ids: set[int]) -> None:
         with self.lock:
@@ -476,14 +678,25 @@ class ScopeTable:
             return self._reclaim(medium, 0, keep=None)
 
     def _reclaim(self, medium: Medium, need: int, keep: Scope | None) -> list[int]:
-        victims = [
-            Victim(s.id, s.last_used, s.units(), s.pins > 0 or s is keep)
-            for s in self.scopes.values()
-            if s.medium is medium
-        ]
+        if medium is Medium.DRAM:  # DRAM homes and copies alike, least recently used first
+            victims = [
+                Victim(s.id, s.last_used, s.dram_units(), s.pins > 0 or s is keep)
+                for s in self.scopes.values()
+                if s.dram_units()
+            ]
+        else:
+            victims = [
+                Victim(s.id, s.last_used, s.units(), s.pins > 0 or s is keep)
+                for s in self.scopes.values()
+                if s.medium is medium
+            ]
         chosen = plan_reclaim(victims, self.used(medium), self.capacity(medium), need, self.high, self.low)
         for sid in chosen:
-            self._free_scope(self.scopes[sid], count=True)
+            scope = self.scopes[sid]
+            if medium is Medium.DRAM and scope.medium is Medium.SSD:
+                self._drop_copies(scope, count=True)  # a copy's home stays: nothing is lost
+            else:
+                self._free_scope(scope, count=True)
         return chosen
 
     def drop(self, scope_id: int) -> bool:
@@ -541,12 +754,12 @@ class ScopeTable:
                 cut = slice(at, at + (1 << 16))
                 self.index.put((h1[cut], h2[cut]), scope[cut], gva[cut], stride[cut], crc[cut])
 
-    def _adapt(self, decision: Decision, parent: Scope | None, digests: Digests) -> Decision:
+    def _adapt(self, decision: Decision, parent: Scope | None, digests: Digests) -> tuple[Decision, int | None]:
         """Adaptive placement: Table 2's ``decision`` corrected by the session's reuse distance. That is
         its parent scope's latest, or, when these pages include the last page of a DRAM scope that
         reclaim freed before anyone read it again (the session came back and had to recompute), the
         ticks since that scope's last write: a distance beyond DRAM's residence, the evidence that
-        survivors alone never give."""
+        survivors alone never give. Returns the decision and the session's reuse distance."""
         assert self.reuse is not None
         now = next(self._clock)
         session = None
@@ -559,10 +772,8 @@ class ScopeTable:
                 if written is not None:
                     session = now - written
                     self.reuse.reused(session)
-        oldest = now
-        if self.reuse.residence is not None:  # the scan matters only once DRAM has reclaimed
-            oldest = min((s.last_used for s in self.scopes.values() if s.medium is Medium.DRAM), default=now)
-        return self.reuse.adjust(decision, session, now - oldest)
+        oldest = self._oldest_dram_use(now)
+        return self.reuse.adjust(decision, session, now - oldest, promote=self.copy_index is None), session
 
     def _came_back(self, scope: Scope, now: int) -> None:
         """Adaptive placement: the first use of ``scope`` since its last write is its reuse distance."""
@@ -578,6 +789,7 @@ class ScopeTable:
     def _free_scope(self, scope: Scope, count: bool) -> None:
         if self.on_free is not None and scope.keys:
             self.on_free(scope)
+        self._drop_copies(scope, count=False)  # with their home
         if scope.keys:  # entries go before the space can be reused
             self.index.remove(scope.keys.digests())
         if count and self.reuse is not None and scope.medium is Medium.DRAM:
@@ -613,6 +825,12 @@ class ScopeTable:
             self.index.remove(d)
             scope = self.scopes[loc.scope]
             scope.keys.pop(scope.keys.index(int(d[0][0]), int(d[1][0])))
+            at = scope.copy_keys.index(int(d[0][0]), int(d[1][0])) if scope.copy_slots else -1
+            if at >= 0:  # its copy was made from the same bytes: it goes too
+                assert self.copy_index is not None
+                self.copy_index.remove(d)
+                self.dram.release([scope.copy_slots.pop(at)])
+                scope.copy_keys.pop(at)
             if not scope.keys:
                 self.drop(scope.id)
             return True
@@ -628,6 +846,9 @@ class ScopeTable:
                     "pages": sum(len(s.keys) for s in self.scopes.values() if s.medium is m),
                     "reclaimed_scopes": self.reclaimed[m].scopes,
                     "reclaimed_bytes": self.reclaimed[m].bytes,
+                    **(
+                        {"copy_pages": sum(len(s.copy_slots) for s in self.scopes.values())} if m is Medium.DRAM else {}
+                    ),
                 }
                 for m in Medium
             }

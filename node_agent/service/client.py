@@ -160,7 +160,8 @@ class RemoteCatalog:
         epoch = int(r.get("epoch", 0))
         self._epochs[r["id"]] = epoch
         segments = [Segment(*s) for s in r["segments"]]
-        return Allocation(r["id"], r["index"], Medium(r["medium"]), r["reason"], segments, r["slots"], epoch)
+        return Allocation(r["id"], r["index"], Medium(r["medium"]), r["reason"], segments, r["slots"], epoch,
+                          list(r.get("copies", [])))  # fmt: skip
 
     def publish(self, alloc_id: int, checksums: Sequence[int]) -> None:
         epoch = self._epochs.pop(alloc_id, 0)
@@ -192,13 +193,15 @@ class RemoteCatalog:
         if self.stats is not None:
             self.stats.add("index_lookups_shared" if shared else "index_lookups_agent")
 
-    def acquire(self, keys: Sequence[Key]) -> Lease:
-        r = self.conn.call("acquire", keys=list(keys))
+    def acquire(self, keys: Sequence[Key], copy: bool = False) -> Lease:
+        r = self.conn.call("acquire", keys=list(keys), **({"copy": True} if copy else {}))
         locs = [Location(*x) for x in zip(r["scope"], r["gva"], r["stride"], strict=True)]
-        return Lease(r["id"], locs, list(r.get("crc", [])), bool(r.get("verify", False)), int(r.get("epoch", 0)))
+        return Lease(r["id"], locs, list(r.get("crc", [])), bool(r.get("verify", False)), int(r.get("epoch", 0)),
+                     list(r.get("copies", [])))  # fmt: skip
 
-    def release(self, lease_id: int) -> None:
-        self.conn.call("release", id=lease_id, stats=self._delta())
+    def release(self, lease_id: int, copied: Sequence[int] | None = None) -> None:
+        extra = {"copied": list(copied)} if copied is not None else {}
+        self.conn.call("release", id=lease_id, stats=self._delta(), **extra)
 
     def _delta(self) -> dict[str, int]:
         if self.stats is None:

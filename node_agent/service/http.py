@@ -150,4 +150,7 @@ class AgentCollector(Collector):
             yield M.family(name, [((medium,), float(u[key])) for medium, u in usage.items()])
         placements = a.catalog.placements.snapshot()
         yield M.family("flatcake_placements", [(tuple(k.split("/")), v) for k, v in placements.items()])
+        yield M.family("flatcake_copy_pages_held", [((), float(usage["dram"]["copy_pages"]))])
+        copies = a.catalog.table.copy_stats.snapshot()
+        yield M.family("flatcake_copy_pages", [((event,), float(n)) for event, n in copies.items()])
         yield from M.stats_families(dict(a.client_stats))

@@ -234,7 +234,7 @@ class Agent:
         return {
             "id": alloc.id, "index": alloc.index, "medium": int(alloc.medium), "reason": alloc.reason,
             "segments": [[s.file, s.offset, s.first_page, s.pages] for s in alloc.segments], "slots": alloc.slots,
-            "epoch": alloc.epoch,
+            "epoch": alloc.epoch, **({"copies": alloc.copy_slots} if alloc.copy_slots else {}),
         }  # fmt: skip
 
     def op_publish(self, session: Session, args: dict[str, Any]) -> None:
@@ -254,15 +254,26 @@ class Agent:
         self.catalog.abort(alloc_id)
 
     def op_acquire(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
-        lease = self.catalog.acquire(P.keys_arg(args))
+        copy = args.get("copy", False)
+        if not isinstance(copy, bool):
+            raise P.ProtocolError(P.BAD_ARGS, "copy: must be true or false (whether the reader fills DRAM copies)")
+        # A peer reads pages into its own node's memory: it cannot fill this node's DRAM copies.
+        lease = self.catalog.acquire(P.keys_arg(args), copy=copy and not session.remote)
         session.leases.add(lease.id)
         return {"id": lease.id, **_columns(lease.locations, scope=0, gva=1, stride=2), "crc": lease.checksums,
-                "verify": lease.verify, "epoch": self.epoch}  # fmt: skip
+                "verify": lease.verify, "epoch": self.epoch,
+                **({"copies": lease.copies} if lease.copies else {})}  # fmt: skip
 
     def op_release(self, session: Session, args: dict[str, Any]) -> None:
         lease_id = _owned(session.leases, P.int_arg(args, "id"), "lease")
         session.leases.discard(lease_id)
-        self.catalog.release(lease_id)  # first: a bad stats map must not leave the pages pinned
+        copied = args.get("copied")
+        if copied is not None and (not isinstance(copied, list) or not all(type(x) is int for x in copied)):
+            copied = None  # filled nothing that can be trusted: the copies are freed, the lease still ends
+            log.warning(
+                "release of lease %d: copied must be a list of integers (crc32 or -1); copies dropped", lease_id
+            )
+        self.catalog.release(lease_id, copied)  # first: a bad stats map must not leave the pages pinned
         self._merge_stats(args.get("stats", {}))
 
     async def op_stage(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
