@@ -14,9 +14,11 @@
   then written into ``dest`` (numpy ``[layers][slots][page_bytes]`` or a ``PagedTarget``).
 
 Failures turn into misses, never into wrong bytes: a peer that does not answer, whose transfer fails or
-times out, or whose bytes do not match their crc32 yields ``missing`` pages; a failed peer is left out
-of lookups for ``peer_timeout_s`` and then reconnected from scratch (a restarted agent registers
-anew, with its new pool address).
+times out, whose bytes do not match their crc32, or whose reply is not what the protocol says (a lease
+without a crc per page, more hits than asked, indexes out of range: ``_reply``) yields ``missing`` pages;
+a failed peer is left out of lookups for ``peer_timeout_s`` and then reconnected from scratch (a
+restarted agent registers anew, with its new pool address). No exception from a peer reaches the
+caller (SGLang's or vLLM's thread).
 """
 
 from __future__ import annotations
@@ -47,7 +49,16 @@ from flatcake.node_agent.service.client import AgentConnection
 
 log = logging.getLogger(__name__)
 
-PEER_FAULTS = (FlatCakeError, ConnectionError, TimeoutError, OSError)
+
+class PeerReplyError(ConnectionError):
+    """A peer answered something the protocol does not allow: treated as a peer that failed."""
+
+
+# What a peer can make happen: besides failures of the connection or the transfer, anything its replies
+# can raise in code that reads them (a peer is not trusted to be well-formed, only checked).
+PEER_FAULTS = (FlatCakeError, ConnectionError, TimeoutError, OSError, KeyError, TypeError, ValueError, IndexError,
+               AttributeError)  # fmt: skip
+U32 = (1 << 32) - 1
 PEER_REFRESH_S = 10.0  # how often the peer list is asked of this node's agent
 Ints = npt.NDArray[np.int64]
 
@@ -156,7 +167,7 @@ class Cluster:
 
     def _peer_exists(self, peer: Peer, keys: Sequence[Key]) -> int:
         try:
-            return int(self._conn(peer).call("exists", keys=list(keys)))
+            return _count(self._conn(peer).call("exists", keys=list(keys)), "exists", len(keys))
         except PEER_FAULTS as exc:
             self._down(peer, f"lookup: {exc}")
             return 0
@@ -169,10 +180,15 @@ class Cluster:
             except BaseException:
                 conn.close()
                 raise
-            if "peer" not in reply:
+            if not isinstance(reply, dict) or "peer" not in reply:
                 conn.close()
                 raise ConnectionError(f"{peer.address}: the agent there serves no peers (cluster.listen unset)")
-            peer.conn, peer.info = conn, reply["peer"]
+            try:
+                info = _peer_info(reply["peer"])
+            except PeerReplyError:
+                conn.close()
+                raise
+            peer.conn, peer.info = conn, info
         return peer.conn
 
     def _down(self, peer: Peer, why: str) -> None:
@@ -246,13 +262,18 @@ class Cluster:
         """One leased chunk: pages read one-sided or staged by the peer (``_staged``), checked, written to
         ``target``."""
         conn = self._conn(peer)
+        n, L, P = len(keys), self.layers, self.page_bytes
         lease = conn.call("acquire", keys=list(keys))
+        if not isinstance(lease, dict) or type(lease.get("id")) is not int:
+            raise PeerReplyError(f"acquire: the lease {str(lease)[:80]!r} has no id")
         staged: dict[str, Any] | None = None
         try:
-            n, L, P = len(keys), self.layers, self.page_bytes
+            gva_list = _ints(lease.get("gva"), n, "acquire: gva", 0, (1 << 64) - 1)
+            # Every page is checked against its published crc32: a lease without one per page is refused.
+            crc = _ints(lease.get("crc"), n, "acquire: crc", 0, U32)
             assert self._landing is not None
             landing = self._landing[: n * self.span].reshape(L, n, P)
-            gva = np.asarray(lease["gva"], dtype=np.uint64)
+            gva = np.asarray(gva_list, dtype=np.uint64)
             on_ssd = gva >= np.uint64(G.SSD_THRESHOLD)
             offsets = (gva & np.uint64(G.MAX_OFFSET)).astype(np.int64)
             ssd, dram = np.flatnonzero(on_ssd), np.flatnonzero(~on_ssd)
@@ -261,7 +282,7 @@ class Cluster:
             staging = np.flatnonzero(stage)
             staged_missing: set[int] = set()
             if len(staging):
-                staged = conn.call("stage", keys=[keys[int(i)] for i in staging])
+                staged = _staged_reply(conn.call("stage", keys=[keys[int(i)] for i in staging]), len(staging))
                 staged_missing = {int(staging[i]) for i in staged["missing"]}
             base = int(landing.ctypes.data)
             dram_base = int(peer.info["dram_base"])
@@ -274,10 +295,9 @@ class Cluster:
                     raise ConnectionError(f"transfer of layer {layer} from {peer.info['transfer']} failed")
                 if layer == 0 and not self.last.first_layer_s:
                     self.last.first_layer_s = time.perf_counter() - started
-            crc = lease.get("crc") or []
             good = n
             for j in range(n):
-                if j in staged_missing or (crc and page_checksum(landing, j) != crc[j]):
+                if j in staged_missing or page_checksum(landing, j) != crc[j]:
                     if j not in staged_missing:
                         self.last.corrupt_pages += 1
                     good = j
@@ -317,6 +337,43 @@ class Cluster:
                 peer.conn.close()
         if self._transfer is not None:
             self._transfer.close()
+
+
+def _count(value: Any, what: str, most: int) -> int:
+    """A peer's hit count: an integer from 0 to what was asked."""
+    if type(value) is not int or not 0 <= value <= most:
+        raise PeerReplyError(f"{what}: {str(value)[:40]!r} is not a count of 0..{most} pages")
+    return value
+
+
+def _ints(value: Any, n: int, what: str, lo: int, hi: int) -> list[int]:
+    """A list of ``n`` integers in ``lo..hi`` from a peer."""
+    if not isinstance(value, list) or len(value) != n or not all(type(x) is int and lo <= x <= hi for x in value):
+        raise PeerReplyError(f"{what}: expected {n} integers in {lo}..{hi}, got {str(value)[:60]!r}")
+    return value
+
+
+def _peer_info(info: Any) -> dict[str, Any]:
+    """A peer's register reply: who it is, where its transfer engine and pool are."""
+    if not isinstance(info, dict):
+        raise PeerReplyError(f"register: peer info {str(info)[:60]!r} is not a map")
+    if not isinstance(info.get("transfer"), str) or not info["transfer"]:
+        raise PeerReplyError("register: peer info names no transfer endpoint")
+    for name, lo in (("node_id", 0), ("dram_base", 1), ("stage_pages", 0)):
+        if type(info.get(name)) is not int or info[name] < lo:
+            raise PeerReplyError(f"register: peer info {name} {info.get(name)!r} is not an integer >= {lo}")
+    return info
+
+
+def _staged_reply(reply: Any, n: int) -> dict[str, Any]:
+    """A peer's stage reply: a handle, the staging address, and which of the ``n`` pages it could not read."""
+    if not isinstance(reply, dict):
+        raise PeerReplyError(f"stage: {str(reply)[:60]!r} is not a map")
+    for name in ("handle", "address"):
+        if type(reply.get(name)) is not int:
+            raise PeerReplyError(f"stage: {name} {reply.get(name)!r} is not an integer")
+    _ints(reply.get("missing"), len(reply.get("missing") or []), "stage: missing", 0, n - 1)
+    return reply
 
 
 def _pieces(local_base: int, page_bytes: int, dram: Ints, dram_addr: Ints, ssd: Ints,
