@@ -9,7 +9,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import msgpack
