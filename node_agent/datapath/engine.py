@@ -302,8 +302,9 @@ class Engine:
         paged = isinstance(dest, PagedTarget)
         checker = self._check_target if paged else self._check_dest
         pages = checker(dest, len(keys), dest_pages)
-        # DRAM copies are filled from host destinations only (a device restore would need a copy back).
-        lease = self.catalog.acquire(keys, copy=not on_gpu)
+        # DRAM copies are filled from host destinations that keep whole pages (a device restore would need a
+        # copy back; a target with limits keeps part of each page).
+        lease = self.catalog.acquire(keys, copy=not on_gpu and not (paged and dest.limits is not None))
         hold = contextlib.ExitStack()
         try:
             self._hold_epoch(lease, hold)

@@ -41,6 +41,7 @@ class ReuseModel:
     """Running means of DRAM's residence and of scopes' reuse distances, in table clock ticks."""
 
     residence: float | None = None
+    copy_residence: float | None = None  # copies mode: how long DRAM keeps copies (evicted before homes)
     reuse: float | None = None
     samples: int = 0  # reuse distances seen (for reports)
     reclaims: int = 0  # DRAM scopes whose residence was sampled
@@ -57,16 +58,22 @@ class ReuseModel:
         self.reuse = _mean(self.reuse, idle_ticks)
         self.samples += 1
 
+    def copy_evicted(self, idle_ticks: int) -> None:
+        """Copies mode: an SSD scope's DRAM copies were dropped after ``idle_ticks`` without use."""
+        self.copy_residence = _mean(self.copy_residence, idle_ticks)
+
     def residence_now(self, oldest_idle: int = 0) -> float:
-        """How long DRAM keeps what it holds, in ticks: unbounded until it first reclaims."""
+        """How long DRAM keeps a home, in ticks: unbounded until it first reclaims one."""
         return math.inf if self.residence is None else max(self.residence, oldest_idle)
 
     def copy_pays(self, session_reuse: int | None, oldest_idle: int = 0) -> bool:
         """``placement.mode: copies``: whether a DRAM copy of a session's SSD pages is likely read before
-        reclaim frees it. Only on evidence (the session came back, ``session_reuse`` ticks after a write)
-        and only when it came back within DRAM's residence; a copy costs nothing to drop, so the margin
-        promotions need (``PROMOTE_MARGIN``) does not apply."""
-        return session_reuse is not None and session_reuse < self.residence_now(oldest_idle)
+        it is dropped. Only on evidence (the session came back, ``session_reuse`` ticks after a write) and
+        only when it came back within how long DRAM keeps copies (``copy_residence``: copies go before
+        homes, so theirs is the shorter; ``oldest_idle``: the idle ticks of the oldest copy held). A copy
+        costs nothing to drop, so the margin promotions need (``PROMOTE_MARGIN``) does not apply."""
+        keep = math.inf if self.copy_residence is None else max(self.copy_residence, oldest_idle)
+        return session_reuse is not None and session_reuse < keep
 
     def adjust(
         self, decision: Decision, session_reuse: int | None, oldest_idle: int = 0, promote: bool = True

@@ -384,11 +384,12 @@ class ScopeTable:
         if n > self.dram.slots - (len(scope.slots) if scope else 0):
             return None  # can never fit: overflow to SSD without evicting anything first
         if self.dram.free < n and decision.reason is not Reason.REUSE_WITHIN_DRAM:
-            # A home displaces copies first (they lose nothing), then other homes, oldest first. A promotion
-            # (adaptive) only takes free slots: evicting for it reclaimed whole scopes that were about to
-            # be read (their only copy), which cost more than the promotion gained.
+            # A home displaces copies first, just what it needs (they lose nothing), and only then other
+            # homes, oldest first. A promotion (adaptive) only takes free slots: evicting for it reclaimed
+            # whole scopes that were about to be read (their only copy), which cost more than it gained.
             self._evict_copies(n, keep=None)
-            self._reclaim(Medium.DRAM, n, keep=scope)
+            if self.dram.free < n:
+                self._reclaim(Medium.DRAM, n, keep=scope)
         if self.dram.free < n:
             return None
         new = scope is None
@@ -558,12 +559,10 @@ class ScopeTable:
         if session is None:
             return False
         now = self._clock.now
-        return self.reuse.copy_pays(session, now - self._oldest_dram_use(now))
-
-    def _oldest_dram_use(self, now: int) -> int:
-        if self.reuse is None or self.reuse.residence is None:  # the scan matters only once DRAM has reclaimed
-            return now
-        return min((s.last_used for s in self.scopes.values() if s.dram_units()), default=now)
+        if self.reuse.copy_residence is None:  # copies have never been dropped: DRAM keeps what it takes
+            return True
+        oldest = min((s.last_used for s in self.scopes.values() if s.copy_slots), default=now)
+        return self.reuse.copy_pays(session, now - oldest)
 
     def _take_copy_slots(self, n: int, keep: Scope | None, evidence: bool) -> list[int]:
         """DRAM slots for ``n`` copies: free ones, or, on ``evidence`` that they will be read, ones older
@@ -608,9 +607,7 @@ class ScopeTable:
             self.copy_stats.evicted += n
             self.copy_stats.evicted_unread += int((~self._copy_read[scope.copy_slots]).sum())
             if self.reuse is not None:
-                self.reuse.reclaimed(self._clock.now - scope.last_used)
-            self.reclaimed[Medium.DRAM].scopes += 1
-            self.reclaimed[Medium.DRAM].bytes += n * self.page_span
+                self.reuse.copy_evicted(self._clock.now - scope.last_used)
         self.copy_index.remove(scope.copy_keys.digests())
         self.dram.release(scope.copy_slots)
         scope.copy_slots = []
@@ -772,7 +769,9 @@ class ScopeTable:
                 if written is not None:
                     session = now - written
                     self.reuse.reused(session)
-        oldest = self._oldest_dram_use(now)
+        oldest = now
+        if self.reuse.residence is not None:  # the scan matters only once DRAM has reclaimed a home
+            oldest = min((s.last_used for s in self.scopes.values() if s.medium is Medium.DRAM), default=now)
         return self.reuse.adjust(decision, session, now - oldest, promote=self.copy_index is None), session
 
     def _came_back(self, scope: Scope, now: int) -> None:

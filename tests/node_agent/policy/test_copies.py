@@ -73,7 +73,7 @@ def test_a_copy_is_dropped_under_dram_pressure_without_losing_its_page() -> None
     assert shared is not None and shared.medium is Medium.DRAM
     cat.publish(shared.id, [0, 0, 0])
     assert t.copy_stats.evicted == 3 and t.copy_stats.evicted_unread == 0  # all three had been read
-    assert t.reclaimed[Medium.DRAM].scopes == 1 and t.usage()["dram"]["copy_pages"] == 0
+    assert t.reclaimed[Medium.DRAM].scopes == 0 and t.usage()["dram"]["copy_pages"] == 0  # no home was lost
     assert cat.exists(["s0", "s1", "s2"]) == 3
     assert read(cat, ["s0", "s1", "s2"], fill=False) == ["ssd"] * 3  # served from the home, nothing lost
     assert read(cat, ["p0", "p1", "p2"]) == ["dram"] * 3
@@ -126,10 +126,12 @@ def test_copies_only_in_copies_mode() -> None:
 def test_admission_follows_reuse_distance_against_dram_residence() -> None:
     model = ReuseModel()
     assert not model.copy_pays(None)  # no evidence: the session never came back
-    assert model.copy_pays(10_000)  # DRAM has never reclaimed: it keeps what it takes
-    model.reclaimed(100)
+    assert model.copy_pays(10_000)  # DRAM has never dropped a copy: it keeps what it takes
+    model.reclaimed(10)  # a home reclaimed: that says how long homes stay, not copies
+    assert model.copy_pays(10_000)
+    model.copy_evicted(100)
     assert model.copy_pays(50) and not model.copy_pays(150)
-    assert model.copy_pays(150, oldest_idle=400)  # DRAM still holds a scope idle that long
+    assert model.copy_pays(150, oldest_idle=400)  # DRAM still holds a copy idle that long
 
     # In a table whose DRAM is full of copies and has reclaimed after ~6 ticks: a session that comes
     # back within that gets copies over the older ones; one that comes back much later does not.
@@ -146,7 +148,7 @@ def test_admission_follows_reuse_distance_against_dram_residence() -> None:
     old = session("old", 4)  # copied: DRAM had room
     assert t.usage()["dram"]["copy_pages"] == 4
     assert t.reuse is not None
-    t.reuse.reclaimed(6)
+    t.reuse.copy_evicted(6)
     soon = session("soon", 2)  # no room, no evidence yet: SSD only
     assert t.usage()["dram"]["copy_pages"] == 4
     assert read(cat, soon) == ["ssd", "ssd"]  # it came back right after its write: copied over `old`'s
