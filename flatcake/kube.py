@@ -44,6 +44,7 @@ class Resource:
 CONFIG_MAPS = Resource("", "v1", "configmaps")
 SERVICES = Resource("", "v1", "services")
 SERVICE_ACCOUNTS = Resource("", "v1", "serviceaccounts")
+SECRETS = Resource("", "v1", "secrets")
 EVENTS = Resource("", "v1", "events")
 NODES = Resource("", "v1", "nodes", namespaced=False)
 DAEMON_SETS = Resource("apps", "v1", "daemonsets")

@@ -77,7 +77,8 @@ _SPECS = [
         "counter",
         ("reason",),
         "",
-        "Connections the agent closed: busy (max_clients), idle_timeout, frame_timeout, http_busy.",
+        "Connections the agent closed: busy (max_clients, cluster.max_peer_clients), idle_timeout, frame_timeout, "
+        "http_busy, unauthenticated (a peer that failed the cache's handshake).",
     ),
     Spec(
         "flatcake_shared_index_slots",
@@ -336,7 +337,7 @@ STATS_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "index_lookups_agent": ("flatcake_index_lookups", ("agent",)),
 }
 
-DROP_REASONS = ("busy", "idle_timeout", "frame_timeout", "http_busy")
+DROP_REASONS = ("busy", "idle_timeout", "frame_timeout", "http_busy", "unauthenticated")
 
 
 IO_ERROR_KINDS = ("eio", "short_read", "write")

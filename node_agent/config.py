@@ -164,10 +164,22 @@ class ClusterConfig:
     # agents' listen addresses, which this node's clients ask for what the local cache lacks.
     listen: str = ""
     peers: tuple[str, ...] = ()
+    # The cache's peer secret (a file only agents can read): peers prove they hold it before anything else
+    # is answered on the listen port (service/peer_auth.py). Required with listen, unless insecure_peers.
+    secret_file: str = ""
+    insecure_peers: bool = False  # serve the listen port to anyone who reaches it (a lab, never a cluster)
+    # Register the DRAM pool with the transfer engine for one-sided reads by peers: auto (over rdma only),
+    # on, off. Its port authenticates nobody: whoever reaches it reads (and writes) what is registered.
+    one_sided_dram: str = "auto"
     transfer_protocol: str = "tcp"  # the transfer engine's transport: tcp, or rdma where the nodes have it
     transfer_device: str = ""  # RDMA devices for the transfer engine (empty: its own choice)
     staging_bytes: int = 64 * MiB  # registered memory SSD pages are staged in for peers (and land in, reading)
     peer_timeout_s: float = 5.0  # a peer's answer or transfer not done within it turns into misses
+    # What other nodes' connections may take, apart from what this node's own clients have (agent.*): so a
+    # flood on the peer port never makes local inference processes wait or get `busy`.
+    max_peer_clients: int = 64  # connections from other nodes at once; more are answered `busy`
+    peer_idle_timeout_s: float = 60.0  # a registered peer connection silent this long is closed
+    peer_frame_budget_bytes: int = 32 * MiB  # request bytes being received across peer connections
     # The serving engine's prefill rate for this model (tokens/s); a peer's pages slower to fetch (at the
     # link rate measured on earlier reads) than to prefill are not used. 0: always fetch.
     prefill_tokens_per_s: float = 0.0
@@ -262,12 +274,26 @@ class EngineConfig:
                 raise ConfigError(f"{where}: {address!r} must be host:port (an IPv4 address or name, and a port "
                                   "0..65535; port 0 in listen picks a free one)")  # fmt: skip
         _one_of(c.transfer_protocol, TRANSFER_PROTOCOLS, "cluster.transfer_protocol")
+        _one_of(c.one_sided_dram, ("auto", "on", "off"), "cluster.one_sided_dram")
+        if c.listen and not c.secret_file and not c.insecure_peers:
+            raise ConfigError("cluster.secret_file: required with cluster.listen, so that only this cache's agents "
+                              "read its pages: give a file holding the cache's peer secret (the operator mounts "
+                              "<cache>-peer-secret), or set cluster.insecure_peers to serve anyone who reaches "
+                              "the port")  # fmt: skip
         min_stage = 2 * self.layers * self.page_bytes
         if c.staging_bytes % ALIGN or c.staging_bytes < min_stage:
             raise ConfigError(f"cluster.staging_bytes: {c.staging_bytes} must be a multiple of {ALIGN} and hold at "
                               f"least two pages of all layers ({min_stage} bytes)")  # fmt: skip
         if not c.peer_timeout_s > 0:
             raise ConfigError(f"cluster.peer_timeout_s: {c.peer_timeout_s} must be > 0 seconds")
+        if c.max_peer_clients < 1:
+            raise ConfigError(f"cluster.max_peer_clients: {c.max_peer_clients} must be >= 1")
+        if not c.peer_idle_timeout_s > 0:
+            raise ConfigError(f"cluster.peer_idle_timeout_s: {c.peer_idle_timeout_s} must be > 0 seconds (peer "
+                              "connections always idle out)")  # fmt: skip
+        if c.peer_frame_budget_bytes < MAX_FRAME:
+            raise ConfigError(f"cluster.peer_frame_budget_bytes: {c.peer_frame_budget_bytes} must be at least one "
+                              f"whole frame ({MAX_FRAME} bytes)")  # fmt: skip
         if c.prefill_tokens_per_s < 0:
             raise ConfigError(f"cluster.prefill_tokens_per_s: {c.prefill_tokens_per_s} must be >= 0 (0: always fetch)")
         _one_of(self.prepare.hugepage_size, HUGEPAGE_SIZES, "prepare.hugepage_size")

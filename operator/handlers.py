@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 from typing import Any
 
 import kopf
@@ -132,6 +133,8 @@ def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: An
         ids_map = kube.get(K.CONFIG_MAPS, cache.namespace, render.names(cache)["node_ids"])
         ids = nodeids.assign(_parse_node_ids(ids_map), selected, [r.node for r in reports if r.holds_data])
         _write_node_ids(kube, cache, ids_map, ids)
+        if spec.cross_node:
+            ensure_peer_secret(kube, cache)
         monitor = spec.service_monitor and kube.has_resource(K.SERVICE_MONITORS)
         for obj in render.objects(spec, cache, wanted, agent_cluster_role, monitor):
             outcome = K.apply(kube, obj)
@@ -153,6 +156,13 @@ def reconcile(kube: K.Kube, body: kopf.Body, agent_cluster_role: str, logger: An
         selected=selected, excluded=excluded, reports=reports, problem=problem,
         generation=int(meta.get("generation", 0)), previous=dict(body.get("status", {})), now=_now(),
     )  # fmt: skip
+
+
+def ensure_peer_secret(kube: K.Kube, cache: render.Cache) -> None:
+    """The cache's peer secret, created once (a random 32 bytes) and never rewritten: agents that restart
+    read the same one (peer_auth.py). Deleted with the cache (owner reference)."""
+    if kube.get(K.SECRETS, cache.namespace, render.names(cache)["peer_secret"]) is None:
+        kube.create(K.SECRETS, render.peer_secret(cache, secrets.token_urlsafe(32)))
 
 
 def _reconcile_or_retry(body: kopf.Body, memo: kopf.Memo, logger: Any) -> dict[str, Any]:

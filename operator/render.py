@@ -27,6 +27,8 @@ from flatcake.operator.spec import (
 CONFIG_KEY = "engine.json"
 CONFIG_DIR = "/etc/flatcake"
 NODE_IDS_DIR = "/etc/flatcake/node-ids"
+PEER_SECRET_DIR = "/etc/flatcake/peer-secret"  # agents only (spec.crossNode); the webhook never mounts it
+PEER_SECRET_KEY = "secret"
 RUN_ROOT = "/run/flatcake"  # host directory shared with inference pods: socket and DRAM pool file
 # Every cache's hugepage share on a node (node/hugepages.py): one host folder for all caches, on /run
 # so the records go with the reservations at reboot.
@@ -85,6 +87,7 @@ def names(cache: Cache) -> dict[str, str]:
         "service_account": f"{base}-agent",
         "role_binding": f"{base}-agent",
         "reclaim": f"{base}-reclaim",
+        "peer_secret": f"{base}-peer-secret",
     }
 
 
@@ -199,7 +202,15 @@ def _cross_node(spec: CacheSpec) -> dict[str, Any]:
     if not spec.cross_node:
         return {}
     return {"listen": f"0.0.0.0:{spec.cross_node_port}", "transfer_protocol": spec.transfer_protocol,
-            "transfer_device": spec.transfer_device, "prefill_tokens_per_s": spec.prefill_tokens_per_s}  # fmt: skip
+            "transfer_device": spec.transfer_device, "prefill_tokens_per_s": spec.prefill_tokens_per_s,
+            "secret_file": f"{PEER_SECRET_DIR}/{PEER_SECRET_KEY}"}  # fmt: skip
+
+
+def peer_secret(cache: Cache, value: str) -> dict[str, Any]:
+    """The cache's peer secret (spec.crossNode): mounted into its agents only, never into inference pods;
+    created once with a random ``value`` (handlers.ensure_peer_secret), owned by the cache."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(cache, names(cache)["peer_secret"]), "stringData": {PEER_SECRET_KEY: value}}  # fmt: skip
 
 
 # The spec field each checked engine field is rendered from (the prefix of EngineConfig's errors),
@@ -405,11 +416,12 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
                                 "periodSeconds": 10,
                                 "failureThreshold": 6,
                             },
-                            "volumeMounts": mounts,
+                            "volumeMounts": [*mounts, *_peer_secret_mount(spec)],
                         }
                     ],
                     "volumes": [
                         *volumes,
+                        *_peer_secret_volume(spec, cache),
                         {"name": "dev", "hostPath": {"path": "/dev"}},
                         {"name": "sys", "hostPath": {"path": "/sys"}},
                         shares_volume,
@@ -418,6 +430,16 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
             },
         },
     }
+
+
+def _peer_secret_volume(spec: CacheSpec, cache: Cache) -> list[dict[str, Any]]:
+    if not spec.cross_node:
+        return []
+    return [{"name": "peer-secret", "secret": {"secretName": names(cache)["peer_secret"], "defaultMode": 0o400}}]
+
+
+def _peer_secret_mount(spec: CacheSpec) -> list[dict[str, Any]]:
+    return [{"name": "peer-secret", "mountPath": PEER_SECRET_DIR, "readOnly": True}] if spec.cross_node else []
 
 
 def reclaim_daemon_set(spec: CacheSpec, cache: Cache) -> dict[str, Any]:

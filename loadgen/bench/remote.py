@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import statistics
@@ -123,9 +124,15 @@ def run(cfg: RemoteConfig, directory: Path, log: Callable[[str], None] = lambda 
     started = time.perf_counter()
     with two_hosts() as hosts, contextlib.ExitStack() as stack:
         listen = f"{hosts.addresses[0]}:{PORT}"
+        # The cache's peer secret, held by both agents only; A registers its DRAM pool for one-sided reads
+        # (what RDMA would do) so that they are measured beside staged ones.
+        directory.mkdir(parents=True)
+        secret = directory / "peer-secret"
+        secret.write_bytes(secrets.token_hex(32).encode())
+        secret.chmod(0o400)
         configs = [
-            agent_config(cfg, directory / "a", 1, listen=listen),
-            agent_config(cfg, directory / "b", 2, peers=[listen]),
+            agent_config(cfg, directory / "a", 1, listen=listen, secret_file=str(secret), one_sided_dram="on"),
+            agent_config(cfg, directory / "b", 2, peers=[listen], secret_file=str(secret)),
         ]
         procs = []
         for i, c in enumerate(configs):

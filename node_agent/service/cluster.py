@@ -45,6 +45,7 @@ from flatcake.node_agent.datapath.target import PagedTarget, host_target
 from flatcake.node_agent.datapath.transfer import Transfer
 from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.policy.placement import Key
+from flatcake.node_agent.service import peer_auth
 from flatcake.node_agent.service.client import AgentConnection
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class Cluster:
         self.peers = [Peer(a) for a in (c.cluster.peers if peers is None else peers)]
         # Given no list, the peers are whoever this node's agent names now (its ``peers`` op).
         self._agent: Any = getattr(engine.catalog, "conn", None) if peers is None else None
+        self._signer: Any = getattr(engine.catalog, "conn", None)  # this node's agent: answers peers' challenges
         self._refreshed = -float("inf")
         self.refresh_s = PEER_REFRESH_S
         self.timeout_s = timeout_s if timeout_s is not None else c.cluster.peer_timeout_s
@@ -176,20 +178,29 @@ class Cluster:
         if peer.conn is None:
             conn = AgentConnection(peer.address, timeout=self.timeout_s)
             try:
-                reply = conn.call("register", layers=self.layers, page_bytes=self.page_bytes)
+                peer.info = self._handshake(conn, peer)
             except BaseException:
                 conn.close()
                 raise
-            if not isinstance(reply, dict) or "peer" not in reply:
-                conn.close()
-                raise ConnectionError(f"{peer.address}: the agent there serves no peers (cluster.listen unset)")
-            try:
-                info = _peer_info(reply["peer"])
-            except PeerReplyError:
-                conn.close()
-                raise
-            peer.conn, peer.info = conn, info
+            peer.conn = conn
         return peer.conn
+
+    def _handshake(self, conn: AgentConnection, peer: Peer) -> dict[str, Any]:
+        """Authenticate to ``peer`` as an agent of this cache (peer_auth.py): its challenge, answered by this
+        node's agent, and its proof back; returns what its register says about it."""
+        hello = conn.call("hello")
+        nonce = hello.get("nonce") if isinstance(hello, dict) else None
+        if not isinstance(nonce, bytes) or len(nonce) < peer_auth.NONCE_BYTES:
+            raise PeerReplyError(f"hello: {str(hello)[:60]!r} carries no nonce")
+        mine = peer_auth.nonce()
+        signed = self._signer.call("peer_sign", nonce=nonce, client_nonce=mine) if self._signer is not None else {}
+        auth, proof = (signed or {}).get("auth"), (signed or {}).get("proof")
+        reply = conn.call("register", layers=self.layers, page_bytes=self.page_bytes, client_nonce=mine, auth=auth)
+        if not isinstance(reply, dict) or "peer" not in reply:
+            raise ConnectionError(f"{peer.address}: the agent there serves no peers (cluster.listen unset)")
+        if proof is not None and not peer_auth.matches(proof, reply.get("proof")):
+            raise PeerReplyError(f"register: {peer.address} did not prove it is an agent of this cache")
+        return _peer_info(reply["peer"])
 
     def _down(self, peer: Peer, why: str) -> None:
         """Leave ``peer`` out of lookups for a while; its next use connects (and registers) anew."""
@@ -277,7 +288,7 @@ class Cluster:
             on_ssd = gva >= np.uint64(G.SSD_THRESHOLD)
             offsets = (gva & np.uint64(G.MAX_OFFSET)).astype(np.int64)
             ssd, dram = np.flatnonzero(on_ssd), np.flatnonzero(~on_ssd)
-            stage = self._staged(on_ssd)
+            stage = self._staged(on_ssd) | (int(peer.info["dram_base"]) == 0)  # 0: its pool is not exposed
             direct = np.flatnonzero(~stage)
             staging = np.flatnonzero(stage)
             staged_missing: set[int] = set()
@@ -359,7 +370,7 @@ def _peer_info(info: Any) -> dict[str, Any]:
         raise PeerReplyError(f"register: peer info {str(info)[:60]!r} is not a map")
     if not isinstance(info.get("transfer"), str) or not info["transfer"]:
         raise PeerReplyError("register: peer info names no transfer endpoint")
-    for name, lo in (("node_id", 0), ("dram_base", 1), ("stage_pages", 0)):
+    for name, lo in (("node_id", 0), ("dram_base", 0), ("stage_pages", 0)):  # 0: no DRAM pool, no staging
         if type(info.get(name)) is not int or info[name] < lo:
             raise PeerReplyError(f"register: peer info {name} {info.get(name)!r} is not an integer >= {lo}")
     return info

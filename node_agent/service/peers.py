@@ -37,8 +37,8 @@ from flatcake.node_agent.policy.placement import Key
 
 log = logging.getLogger(__name__)
 
-# What a connection from another node may ask: look up, lease, stage, and the handshake.
-PEER_OPS = frozenset({"register", "exists", "lookup", "acquire", "release", "stage", "unstage"})
+# What a connection from another node may ask: look up, lease, stage, and the handshake (peer_auth.py).
+PEER_OPS = frozenset({"hello", "register", "exists", "lookup", "acquire", "release", "stage", "unstage"})
 
 
 @dataclass
@@ -84,7 +84,12 @@ class PeerService:
         self.config = config
         self.transfer = Transfer(where[0], c.transfer_protocol, c.transfer_device)
         self.dram = dram
-        if dram.view.nbytes:
+        # The transfer engine's port authenticates nobody: whatever is registered with it, anyone who
+        # reaches it can read and write. Over TCP peers stage DRAM pages as they stage SSD pages, so only
+        # the staging buffer is registered; over RDMA the pool too, for one-sided reads (operations.md).
+        one_sided = c.one_sided_dram == "on" or (c.one_sided_dram == "auto" and c.transfer_protocol == "rdma")
+        self.dram_registered = bool(dram.view.nbytes) and one_sided
+        if self.dram_registered:
             self.transfer.register(int(dram.view.ctypes.data), dram.view.nbytes)
         self.staging = Staging(aligned_empty(c.staging_bytes))
         self.staging.buffer[::ALIGN] = 0  # fault the buffer in now, not during a peer's first read
@@ -96,7 +101,7 @@ class PeerService:
         """What a peer's ``register`` learns: where to read, and how much one ``stage`` may ask."""
         return {
             "node_id": self.config.node_id, "transfer": self.transfer.endpoint,
-            "dram_base": int(self.dram.view.ctypes.data) if self.dram.view.nbytes else 0,
+            "dram_base": int(self.dram.view.ctypes.data) if self.dram_registered else 0,  # 0: stage them
             "stage_pages": self.staging.buffer.nbytes // self.span // 2,
         }  # fmt: skip
 

@@ -37,6 +37,7 @@ UNKNOWN_HANDLE = "unknown_handle"
 POOL_FULL = "pool_full"
 NOT_REGISTERED = "not_registered"
 BUSY = "busy"  # the agent serves agent.max_clients connections already
+UNAUTHORIZED = "unauthorized"  # a peer that did not prove it is an agent of this cache (peer_auth.py)
 INTERNAL = "internal"
 
 

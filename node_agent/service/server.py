@@ -48,7 +48,7 @@ from flatcake.node_agent.datapath.file_pool import create_pool
 from flatcake.node_agent.policy.keyindex import slots_for
 from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.policy.scopes import Location
-from flatcake.node_agent.service import http
+from flatcake.node_agent.service import http, peer_auth
 from flatcake.node_agent.service import protocol as P
 from flatcake.node_agent.service.peers import PEER_OPS, PeerService
 
@@ -68,6 +68,7 @@ class Session:
     allocs: set[int] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)
     remote: bool = False  # a connection from another node (cluster.listen): read ops only
+    nonce: bytes = b""  # a peer's challenge (op hello), answered by its register (peer_auth.py)
     staged: set[int] = field(default_factory=set)  # staging regions it holds (peers.py)
 
 
@@ -116,8 +117,10 @@ class Agent:
         self.requests: Counter[str] = Counter()
         self.errors: Counter[tuple[str, str]] = Counter()
         self.dropped: Counter[str] = Counter()  # connections closed by the agent, by reason
-        self._frame_bytes = 0  # request bytes being received, across connections
-        self._frame_room: asyncio.Condition | None = None
+        # Request bytes being received across connections, and the condition a frame waits on for room:
+        # one of each for this node's clients (False) and for other nodes (True).
+        self._frame_bytes = {False: 0, True: 0}
+        self._frame_rooms: dict[bool, asyncio.Condition] = {}
         self._writers: set[asyncio.StreamWriter] = set()
         self.http_server: http.Server | None = None
         self.metrics_port = c.agent.metrics_port
@@ -125,6 +128,7 @@ class Agent:
         self._scanner: threading.Thread | None = None
         self._compactor: threading.Thread | None = None
         self.peers: PeerService | None = None  # serving other nodes (cluster.listen), made by serve
+        self.peer_secret: bytes | None = None  # the cache's peer secret (cluster.secret_file), read by serve
         self.peer_address = ""  # host:port the peer service listens on, once bound
         self.discovered_peers: tuple[str, ...] = ()  # other nodes' agents, from their FlatCakeNodes
 
@@ -191,15 +195,48 @@ class Agent:
         handler = OPS.get(op)
         if handler is None:
             raise P.ProtocolError(P.UNKNOWN_OP, f"op: {op!r} is not one of {', '.join(sorted(OPS))}")
-        if op != "register" and not session.registered:
+        if op not in ("register", "hello") and not session.registered:
             raise P.ProtocolError(P.NOT_REGISTERED, f"{op}: register first (send op 'register')")
         if session.remote and op not in PEER_OPS:
             raise P.ProtocolError(P.UNKNOWN_OP, f"op: {op!r} is not served to other nodes (only "
                                   f"{', '.join(sorted(PEER_OPS))}); write through this node's own agent")  # fmt: skip
         return handler(self, session, args)
 
+    def op_hello(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        """A peer's challenge: a fresh nonce for this connection, to be answered by its register."""
+        if not session.remote:
+            raise P.ProtocolError(P.UNKNOWN_OP, "hello: only other nodes' connections authenticate")
+        session.nonce = peer_auth.nonce()
+        return {"nonce": session.nonce}
+
+    def op_peer_sign(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        """For a client of this node: the answer to another node's challenge, and the proof that node must
+        show back (peer_auth.py). The secret never leaves the agent."""
+        nonce, mine = args.get("nonce"), args.get("client_nonce")
+        if not isinstance(nonce, bytes) or not isinstance(mine, bytes) or len(mine) < peer_auth.NONCE_BYTES:
+            raise P.ProtocolError(P.BAD_ARGS, "nonce, client_nonce: bytes (the peer's hello, and 16 of your own)")
+        if self.peer_secret is None:
+            return {"auth": None, "proof": None}
+        return {"auth": peer_auth.register_mac(self.peer_secret, nonce, mine),
+                "proof": peer_auth.serve_mac(self.peer_secret, nonce, mine)}  # fmt: skip
+
+    def _authenticate(self, session: Session, args: dict[str, Any]) -> bytes | None:
+        """A peer's register: its answer to this connection's challenge. Returns the proof to answer."""
+        if self.peer_secret is None:  # cluster.insecure_peers
+            return None
+        mine, nonce = args.get("client_nonce"), session.nonce
+        session.nonce = b""  # one answer per challenge
+        if not (nonce and isinstance(mine, bytes) and len(mine) >= peer_auth.NONCE_BYTES) or not peer_auth.matches(
+            peer_auth.register_mac(self.peer_secret, nonce, mine), args.get("auth")
+        ):
+            self.dropped["unauthenticated"] += 1
+            raise P.ProtocolError(P.UNAUTHORIZED, "register: not authenticated as an agent of this cache (ask "
+                                  "hello, then register with auth from your agent's peer_sign)")  # fmt: skip
+        return peer_auth.serve_mac(self.peer_secret, nonce, mine)
+
     def op_register(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         c = self.config
+        proof = self._authenticate(session, args) if session.remote else None
         for name in ("layers", "page_bytes"):
             if name in args and args[name] != getattr(c, name):
                 raise P.ProtocolError(
@@ -212,6 +249,8 @@ class Agent:
                  "index_path": str(index.path) if index is not None else ""}  # fmt: skip
         if self.peers is not None:
             reply["peer"] = self.peers.info()
+        if session.remote:  # a peer learns what it needs to read, not this node's configuration
+            reply = {"session": session.id, "epoch": self.epoch, "peer": reply.get("peer"), "proof": proof}
         return reply
 
     def op_exists(self, session: Session, args: dict[str, Any]) -> int:
@@ -408,10 +447,14 @@ class Agent:
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                                 remote: bool = False) -> None:  # fmt: skip
-        a = self.config.agent
+        a, c = self.config.agent, self.config.cluster
         pid = 0 if remote else _peer_pid(writer)
         busy = None
-        if len(self.sessions) >= a.max_clients:
+        # Local clients and other nodes each have budgets of their own: peers cannot take the local ones.
+        if remote and sum(1 for s in self.sessions.values() if s.remote) >= c.max_peer_clients:
+            busy = (f"the agent serves cluster.max_peer_clients={c.max_peer_clients} connections from other "
+                    "nodes already; retry later")  # fmt: skip
+        elif not remote and sum(1 for s in self.sessions.values() if not s.remote) >= a.max_clients:
             busy = (f"the agent serves agent.max_clients={a.max_clients} connections already; retry later or "
                     "raise the limit")  # fmt: skip
         elif pid and sum(1 for s in self.sessions.values() if s.pid == pid) >= a.max_clients_per_process:
@@ -430,8 +473,12 @@ class Agent:
         try:
             while True:
                 # Unregistered connections get frame_timeout_s to speak; registered clients may stay idle
-                # (inference processes keep one connection for their life) unless idle_timeout_s is set.
-                idle = (a.idle_timeout_s or None) if session.registered else a.frame_timeout_s
+                # (inference processes keep one connection for their life) unless idle_timeout_s is set;
+                # other nodes' connections always idle out (cluster.peer_idle_timeout_s).
+                if not session.registered:
+                    idle: float | None = a.frame_timeout_s
+                else:
+                    idle = c.peer_idle_timeout_s if remote else (a.idle_timeout_s or None)
                 try:
                     header = await asyncio.wait_for(reader.readexactly(P.HEADER.size), idle)
                 except asyncio.IncompleteReadError:
@@ -447,11 +494,14 @@ class Agent:
                     reply = P.error(0, P.OVERSIZED, f"frame of {length} bytes exceeds {P.MAX_FRAME}; send fewer keys")
                     writer.write(P.pack(reply))
                 else:
-                    body = await self._receive(reader, length)
+                    body = await self._receive(reader, length, remote)
                     started = time.perf_counter()
                     op, reply = await self.handle_frame(session, body)
                     del body
                     writer.write(P.pack(reply))
+                    if session.remote and op == "register" and not session.registered:
+                        await asyncio.wait_for(writer.drain(), a.frame_timeout_s)
+                        break  # a peer that failed to authenticate gets one try per connection
                     # Service time: decode, work, encode (the socket and queueing are the client's view).
                     self.latency.labels(op).observe(time.perf_counter() - started)
                 # A client that stops reading its replies is cut off rather than buffered for.
@@ -479,27 +529,30 @@ class Agent:
                 raise asyncio.IncompleteReadError(b"", remaining)
             remaining -= len(chunk)
 
-    async def _receive(self, reader: asyncio.StreamReader, length: int) -> bytes:
-        """One frame body. The bytes being received across all connections stay within
-        agent.frame_budget_bytes (a frame waits for room), and a frame must arrive within
-        agent.frame_timeout_s: slow senders cannot pile up buffers. Small frames (lookups, leases,
-        publishes of a few keys) take no budget, so large frames that stall cannot hold them up."""
+    async def _receive(self, reader: asyncio.StreamReader, length: int, remote: bool = False) -> bytes:
+        """One frame body. The bytes being received across all connections of a class (this node's
+        clients: agent.frame_budget_bytes; other nodes: cluster.peer_frame_budget_bytes) stay within its
+        budget (a frame waits for room), and a frame must arrive within agent.frame_timeout_s: slow
+        senders cannot pile up buffers, and peers' frames never wait on local ones' room or the reverse.
+        Small frames (lookups, leases, publishes of a few keys) take no budget, so large frames that
+        stall cannot hold them up."""
         a = self.config.agent
         if length <= SMALL_FRAME:  # bounded by the connections (max_clients x SMALL_FRAME), never queued
             return await asyncio.wait_for(reader.readexactly(length), a.frame_timeout_s)
-        if self._frame_room is None:
-            self._frame_room = asyncio.Condition()
-        room = self._frame_room
+        budget = self.config.cluster.peer_frame_budget_bytes if remote else a.frame_budget_bytes
+        if remote not in self._frame_rooms:
+            self._frame_rooms[remote] = asyncio.Condition()
+        room = self._frame_rooms[remote]
         async with room:
             await asyncio.wait_for(
-                room.wait_for(lambda: self._frame_bytes + length <= a.frame_budget_bytes), a.frame_timeout_s
+                room.wait_for(lambda: self._frame_bytes[remote] + length <= budget), a.frame_timeout_s
             )
-            self._frame_bytes += length
+            self._frame_bytes[remote] += length
         try:
             return await asyncio.wait_for(reader.readexactly(length), a.frame_timeout_s)
         finally:
             async with room:
-                self._frame_bytes -= length
+                self._frame_bytes[remote] -= length
                 room.notify_all()
 
     # ---- process lifecycle -----------------------------------------------------------------------
@@ -515,6 +568,8 @@ class Agent:
         path = Path(self.config.agent.socket)
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_socket(path)
+        secret_file = self.config.cluster.secret_file  # this node's clients need it signed, listening or not
+        self.peer_secret = peer_auth.load_secret(secret_file) if secret_file else None
         peer_server = await self._serve_peers()  # first: a client that reaches the socket may ask peers
         server = await asyncio.start_unix_server(self._serve_connection, path=str(path))
         share_path(path, self.gid)
@@ -543,6 +598,8 @@ class Agent:
         where = host_port(c.listen) if c.listen else None
         if where is None:
             return None
+        if self.peer_secret is None:
+            log.warning("cluster.insecure_peers: %s serves anyone who reaches it", c.listen)
         self.peers = await asyncio.to_thread(PeerService, self.config, self.catalog, self.dram)
         server = await asyncio.start_server(self._serve_peer, where[0], where[1])
         port = server.sockets[0].getsockname()[1]

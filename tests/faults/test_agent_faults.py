@@ -212,8 +212,8 @@ def test_a_lease_granted_before_a_restart_is_refused_before_anything_is_read(tmp
     real_acquire = reader.catalog.acquire
     seen: dict[str, object] = {}
 
-    def acquire_then_restart(keys: object) -> object:
-        lease = real_acquire(keys)  # type: ignore[arg-type]
+    def acquire_then_restart(keys: object, copy: bool = False) -> object:
+        lease = real_acquire(keys, copy)  # type: ignore[arg-type]
         agents[0].stop()
         agents.append(AgentThread(config))
         with connect(config.agent.socket) as other:  # no pin survives the restart: reclaim reuses the space
@@ -378,10 +378,10 @@ def test_control_socket_caps_connections_and_times_out_stalled_frames(agent_thre
     # frame_timeout_s; a second such frame waits for budget meanwhile, so memory stays bounded.
     for c in clients[:2]:
         c.sock.sendall(struct.pack(">I", 8 << 20) + b"x" * 10)
-    wait_until(lambda: a.agent._frame_bytes > 0, what="a stalled frame to hold budget")
-    assert a.agent._frame_bytes <= P.MAX_FRAME
+    wait_until(lambda: a.agent._frame_bytes[False] > 0, what="a stalled frame to hold budget")
+    assert a.agent._frame_bytes[False] <= P.MAX_FRAME
     assert clients[0].closed() and clients[1].closed()
-    assert a.agent.dropped["frame_timeout"] == 2 and a.agent._frame_bytes == 0
+    assert a.agent.dropped["frame_timeout"] == 2 and a.agent._frame_bytes[False] == 0
     # An unregistered connection that never speaks is closed too; the registered one stays.
     silent = Raw(a.socket)
     assert silent.closed()

@@ -676,3 +676,41 @@ def test_cross_node_reads_are_rendered_into_the_agents() -> None:
     i = agent["command"].index("--listen-host")
     assert agent["command"][i + 1] == "$(POD_IP)" and {"name": "POD_IP"}.items() <= agent["env"][-1].items()
     assert {"name": "peers", "containerPort": 7600, "protocol": "TCP"} in agent["ports"]
+    # The cache's peer secret: the agent reads it from a Secret volume that only the agents mount.
+    assert engine.cluster.secret_file == f"{render.PEER_SECRET_DIR}/{render.PEER_SECRET_KEY}"
+    pod = render.daemon_set(on, CACHE, config)["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "peer-secret")
+    assert volume["secret"] == {"secretName": f"{CACHE.name}-peer-secret", "defaultMode": 0o400}
+    assert {"name": "peer-secret", "mountPath": render.PEER_SECRET_DIR, "readOnly": True} in agent["volumeMounts"]
+    secret = render.peer_secret(CACHE, "s3cret-value")
+    assert secret["kind"] == "Secret" and secret["metadata"]["ownerReferences"] == [CACHE.owner_reference()]
+    assert not any(
+        v["name"] == "peer-secret"
+        for v in render.daemon_set(off, CACHE, render.engine_config(off, CACHE))["spec"]["template"]["spec"]["volumes"]
+    )
+
+
+@pytest.mark.unit
+def test_the_peer_secret_is_created_once_and_never_rewritten() -> None:
+    from flatcake import kube as K
+    from flatcake.operator import handlers
+
+    class Recording:
+        def __init__(self) -> None:
+            self.objects: dict[str, dict] = {}
+
+        def get(self, res: K.Resource, namespace: str | None, name: str) -> dict | None:
+            return self.objects.get(f"{res.plural}/{namespace}/{name}")
+
+        def create(self, res: K.Resource, body: dict) -> dict:
+            meta = body["metadata"]
+            self.objects[f"{res.plural}/{meta['namespace']}/{meta['name']}"] = body
+            return body
+
+    kube = Recording()
+    handlers.ensure_peer_secret(kube, CACHE)  # type: ignore[arg-type]
+    (first,) = kube.objects.values()
+    value = first["stringData"]["secret"]
+    assert len(value) >= 32
+    handlers.ensure_peer_secret(kube, CACHE)  # type: ignore[arg-type]
+    assert list(kube.objects.values()) == [first] and first["stringData"]["secret"] == value

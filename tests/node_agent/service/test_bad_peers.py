@@ -94,7 +94,8 @@ def reader(make_engine: Any) -> Iterator[Callable[[dict[str, Any]], tuple[Cluste
     made: list[tuple[Cluster, FakePeer]] = []
 
     def make(script: dict[str, Any]) -> tuple[Cluster, FakePeer]:
-        full = {"register": lambda a: {"peer": GOOD_PEER}, "release": lambda a: None, "unstage": lambda a: None}
+        full = {"hello": lambda a: {"nonce": b"n" * 16}, "register": lambda a: {"peer": GOOD_PEER},
+                "release": lambda a: None, "unstage": lambda a: None}  # fmt: skip
         full.update(script)
         peer = FakePeer(full)
         engine = make_engine(layers=LAYERS, page_bytes=PAGE)
@@ -123,6 +124,12 @@ def test_a_malformed_lookup_answer_is_a_miss(reader: Any, answer: Callable[[dict
     assert cluster.exists(KEYS) == 0
     assert cluster.peers[0].down_until > time.monotonic() and cluster.peers[0].failures == 1
     assert "exists" in peer.asked
+
+
+def test_a_challenge_without_a_nonce_is_a_miss(reader: Any) -> None:
+    cluster, peer = reader({"hello": lambda a: {"nonce": "not bytes"}, "exists": lambda a: len(a["keys"])})
+    assert cluster.exists(KEYS) == 0
+    assert cluster.peers[0].failures == 1 and "register" not in peer.asked
 
 
 REGISTER_CASES = {

@@ -22,6 +22,7 @@ from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.service.client import AgentConnection, connect
 from flatcake.node_agent.service.cluster import Cluster
 from flatcake.node_agent.service.main import spawn
+from tests.support.agents import AgentThread
 from tests.support.engines import small_config
 from tests.support.waiting import wait_until
 
@@ -42,12 +43,23 @@ def pages(n: int, seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return kv
 
 
+def secret_file(path: Path, secret: bytes = b"the-cache-peer-secret-0123456789") -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(secret)
+    path.chmod(0o400)
+    return str(path)
+
+
 @pytest.fixture
 def two_nodes(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """Agent A serves other nodes on loopback; agent B's config names A as its peer."""
+    """Agent A serves other nodes on loopback; agent B's config names A as its peer. Both hold the cache's
+    peer secret; A registers its DRAM pool with the transfer engine (one-sided reads, as over RDMA)."""
     listen = f"127.0.0.1:{free_port()}"
-    a = config(tmp_path / "a", 1, ClusterConfig(listen=listen, staging_bytes=8 * LAYERS * PAGE, peer_timeout_s=2))
-    b = config(tmp_path / "b", 2, ClusterConfig(peers=(listen,), staging_bytes=8 * LAYERS * PAGE, peer_timeout_s=2))
+    secret = secret_file(tmp_path / "secret")
+    a = config(tmp_path / "a", 1, ClusterConfig(listen=listen, staging_bytes=8 * LAYERS * PAGE, peer_timeout_s=2,
+                                                secret_file=secret, one_sided_dram="on"))  # fmt: skip
+    b = config(tmp_path / "b", 2, ClusterConfig(peers=(listen,), staging_bytes=8 * LAYERS * PAGE, peer_timeout_s=2,
+                                                secret_file=secret))  # fmt: skip
     logs = {n: (tmp_path / f"{n}.log").open("w") for n in "ab"}
     procs = {"a": spawn(a, tmp_path / "a", output=logs["a"]), "b": spawn(b, tmp_path / "b", output=logs["b"])}
     yield {"a": a, "b": b, "procs": procs, "tmp": tmp_path, "listen": listen}
@@ -97,15 +109,105 @@ def test_a_session_written_on_one_node_is_restored_on_another_bit_exact(two_node
         writer.close()
 
 
+def handshake(address: str, signer: AgentConnection | None, **register: Any) -> tuple[AgentConnection, Any]:
+    """Connect to a peer port as a Cluster does: its challenge, answered by ``signer`` (an agent)."""
+    peer = AgentConnection(address, timeout=5)
+    nonce = peer.call("hello")["nonce"]
+    mine = b"c" * 16
+    signed = signer.call("peer_sign", nonce=nonce, client_nonce=mine) if signer is not None else {"auth": None}
+    args = {"layers": LAYERS, "page_bytes": PAGE, **register}
+    try:
+        return peer, peer.call("register", client_nonce=mine, auth=signed["auth"], **args)
+    except BaseException:
+        peer.close()
+        raise
+
+
 def test_other_nodes_may_only_read(two_nodes: dict[str, Any]) -> None:
-    peer = AgentConnection(two_nodes["listen"], timeout=5)
-    reply = peer.call("register", layers=LAYERS, page_bytes=PAGE)
+    signer = AgentConnection(two_nodes["b"].agent.socket)
+    signer.call("register")
+    peer, reply = handshake(two_nodes["listen"], signer)
     assert reply["peer"]["node_id"] == 1 and reply["peer"]["dram_base"] > 0
+    assert "config" not in reply  # a peer learns where to read, not this agent's configuration
     with pytest.raises(ProtocolError, match="'allocate' is not served to other nodes"):
         peer.call("allocate", keys=["x"], hints={})
+    with pytest.raises(ProtocolError, match="'peer_sign' is not served to other nodes"):
+        peer.call("peer_sign", nonce=b"n" * 16, client_nonce=b"c" * 16)
     with pytest.raises(ValueError, match="page_bytes: the client.s model has 4096"):
-        AgentConnection(two_nodes["listen"], timeout=5).call("register", layers=LAYERS, page_bytes=4096)
+        handshake(two_nodes["listen"], signer, page_bytes=4096)
     peer.close()
+    signer.close()
+
+
+def test_only_agents_of_the_cache_are_served(two_nodes: dict[str, Any], tmp_path: Path) -> None:
+    """Without the cache's secret nothing is answered on the peer port but the challenge: no lookup, no
+    lease, no key's presence; a wrong secret or a replayed answer is refused the same way."""
+    writer = connect(two_nodes["a"].agent.socket)
+    writer.put(["s0", "s1"], pages(2, 9), SHARED)
+    stranger = AgentConnection(two_nodes["listen"], timeout=5)
+    with pytest.raises(ProtocolError, match="register first"):
+        stranger.call("exists", keys=["s0", "s1"])
+    with pytest.raises(ProtocolError, match="not authenticated as an agent of this cache"):
+        stranger.call("register", layers=LAYERS, page_bytes=PAGE)
+    stranger.close()
+    # An agent of another cache (another secret) signs for its client: refused.
+    other = AgentThread(config(tmp_path / "c", 3, ClusterConfig(listen=f"127.0.0.1:{free_port()}",
+                                                                secret_file=secret_file(tmp_path / "other", b"x" * 32),
+                                                                staging_bytes=8 * LAYERS * PAGE)))  # fmt: skip
+    try:
+        signer = AgentConnection(other.socket)
+        signer.call("register")
+        with pytest.raises(ProtocolError, match="not authenticated"):
+            handshake(two_nodes["listen"], signer)
+        reader = Cluster(connect(other.socket), peers=[two_nodes["listen"]], timeout_s=2)
+        dest = aligned_empty((LAYERS, 2, PAGE))
+        assert reader.exists(["s0", "s1"]) == 0 and reader.restore(["s0", "s1"], dest) == {0, 1}
+        reader.close()
+        signer.close()
+    finally:
+        other.stop()
+    # A recorded answer does not open a new connection: each challenge is fresh.
+    good = AgentConnection(two_nodes["b"].agent.socket)
+    good.call("register")
+    first = AgentConnection(two_nodes["listen"], timeout=5)
+    nonce = first.call("hello")["nonce"]
+    answer = good.call("peer_sign", nonce=nonce, client_nonce=b"c" * 16)["auth"]
+    first.call("register", layers=LAYERS, page_bytes=PAGE, client_nonce=b"c" * 16, auth=answer)
+    replay = AgentConnection(two_nodes["listen"], timeout=5)
+    replay.call("hello")
+    with pytest.raises(ProtocolError, match="not authenticated"):
+        replay.call("register", layers=LAYERS, page_bytes=PAGE, client_nonce=b"c" * 16, auth=answer)
+    for conn in (first, replay, good):
+        conn.close()
+    writer.close()
+
+
+def test_over_tcp_the_transfer_engine_exposes_no_dram_pool(tmp_path: Path) -> None:
+    """By default (cluster.one_sided_dram auto) only RDMA registers the pool with the transfer engine,
+    whose own port checks nobody: over TCP a one-sided read of the pool's pages fails, whoever asks."""
+    from flatcake.node_agent.datapath.transfer import Transfer
+
+    secret = secret_file(tmp_path / "secret")
+    node = AgentThread(config(tmp_path / "a", 1, ClusterConfig(listen=f"127.0.0.1:{free_port()}", secret_file=secret,
+                                                               staging_bytes=8 * LAYERS * PAGE)))  # fmt: skip
+    try:
+        writer = connect(node.socket)
+        writer.put(["d0"], pages(1, 4), SHARED)
+        signer = AgentConnection(node.socket)
+        signer.call("register")
+        peer, reply = handshake(node.agent.peer_address, signer)
+        assert reply["peer"]["dram_base"] == 0  # peers are told to stage DRAM pages
+        attacker = Transfer("127.0.0.1", "tcp", "")
+        landing = aligned_empty(LAYERS * PAGE)
+        attacker.register(int(landing.ctypes.data), landing.nbytes)
+        pool = int(node.agent.dram.view.ctypes.data)  # the address, as if guessed
+        assert not attacker.read(reply["peer"]["transfer"], [int(landing.ctypes.data)], [pool], [PAGE], 2.0)
+        attacker.close()
+        peer.close()
+        signer.close()
+        writer.close()
+    finally:
+        node.stop()
 
 
 def test_a_corrupt_remote_page_is_a_miss_never_wrong_bytes(two_nodes: dict[str, Any]) -> None:
@@ -172,11 +274,10 @@ def test_a_peer_killed_mid_restore_gives_misses_within_the_timeout(two_nodes: di
 def test_clients_take_their_peers_from_their_agent(two_nodes: dict[str, Any], tmp_path: Path) -> None:
     """With no peer list of its own, a Cluster asks this node's agent (op ``peers``: configured, and found
     in the other agents' FlatCakeNodes), again every refresh_s: a peer that comes or goes is followed."""
-    from tests.support.agents import AgentThread
-
     writer = connect(two_nodes["a"].agent.socket)
     writer.put(["d0", "d1"], pages(2, 5), SHARED)
-    node = AgentThread(config(tmp_path / "c", 3, ClusterConfig(staging_bytes=8 * LAYERS * PAGE)))
+    node = AgentThread(config(tmp_path / "c", 3, ClusterConfig(staging_bytes=8 * LAYERS * PAGE,
+                                                               secret_file=str(tmp_path / "secret"))))  # fmt: skip
     reader = Cluster(connect(node.socket))
     try:
         assert reader.exists(["d0", "d1"]) == 0 and reader.peers == []
@@ -222,3 +323,7 @@ def test_cluster_settings_are_checked_naming_the_field(tmp_path: Path) -> None:
         config(tmp_path, 1, ClusterConfig(staging_bytes=4096))
     with pytest.raises(ConfigError, match="cluster.prefill_tokens_per_s: -1.0 must be >= 0"):
         config(tmp_path, 1, ClusterConfig(prefill_tokens_per_s=-1.0))
+    with pytest.raises(ConfigError, match="cluster.secret_file: required with cluster.listen"):
+        config(tmp_path, 1, ClusterConfig(listen="127.0.0.1:7471"))
+    with pytest.raises(ConfigError, match="cluster.one_sided_dram: 'yes' must be one of auto, on, off"):
+        config(tmp_path, 1, ClusterConfig(one_sided_dram="yes"))

@@ -10,6 +10,7 @@ Everything else is SGLang's own code.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -183,7 +184,7 @@ def test_restored_pages_land_in_the_pool_whether_its_pages_are_views_or_copies(
     backend.close()
 
 
-def test_a_prefix_written_through_one_nodes_sglang_is_a_hit_on_anothers(agent_thread: Start) -> None:
+def test_a_prefix_written_through_one_nodes_sglang_is_a_hit_on_anothers(agent_thread: Start, tmp_path: Path) -> None:
     """Two nodes' agents (loopback): node B's agent names node A's as its peer, so B's backend finds and
     restores, bit-exact into its host pool, the pages A's backend stored, and only B's own after them."""
     from flatcake.net import free_port
@@ -192,10 +193,12 @@ def test_a_prefix_written_through_one_nodes_sglang_is_a_hit_on_anothers(agent_th
     page_bytes = 2 * PAGE * HEADS * DIM * 2
     listen = f"127.0.0.1:{free_port()}"
     size = {"layers": LAYERS, "page_bytes": page_bytes, "files": 8, "file_bytes": 64 * LAYERS * page_bytes}
-    a = agent_thread("a", node_id=1, cluster=ClusterConfig(listen=listen, staging_bytes=8 * LAYERS * page_bytes),
-                     **size)  # fmt: skip
-    b = agent_thread("b", node_id=2, cluster=ClusterConfig(peers=(listen,), staging_bytes=8 * LAYERS * page_bytes),
-                     **size)  # fmt: skip
+    secret = tmp_path / "peer-secret"  # the cache's, held by both agents (the backend's reads are signed by B's)
+    secret.write_bytes(b"0123456789abcdef0123456789abcdef")
+    a = agent_thread("a", node_id=1, cluster=ClusterConfig(listen=listen, staging_bytes=8 * LAYERS * page_bytes,
+                                                           secret_file=str(secret)), **size)  # fmt: skip
+    b = agent_thread("b", node_id=2, cluster=ClusterConfig(peers=(listen,), staging_bytes=8 * LAYERS * page_bytes,
+                                                           secret_file=str(secret)), **size)  # fmt: skip
     pool_a, pool_b = HostPool(False, "page_first"), HostPool(False, "page_first")
     writer, reader = make_backend(a, pool_a), make_backend(b, pool_b)
     keys = [f"{i:064x}" for i in range(6)]
