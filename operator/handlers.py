@@ -267,12 +267,11 @@ def inject_pod(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any,
     """Wire an inference pod to the FlatCakeCache its label names (operator/inject.py), or refuse it
     when that cache is absent or Degraded."""
     pod = dict(body)
-    if (pod.get("metadata", {}).get("annotations") or {}).get(inject.INJECTED_ANNOTATION):
-        return
-    namespace, name = inject.cache_of(pod, default_namespace=str(body.get("metadata", {}).get("namespace", "")))
+    pod_namespace = str(body.get("metadata", {}).get("namespace", ""))
+    namespace, name = inject.cache_of(pod, default_namespace=pod_namespace)
     kube: K.Kube = memo.kube
     cache = kube.get(K.CACHES, namespace, name) if name else None
-    why = inject.refusal(namespace, name, cache)
+    why = inject.refusal(namespace, name, cache, pod_namespace)
     if why is None and cache is not None:
         ident = render.Cache(name, namespace, cache["metadata"].get("uid", ""))
         try:

@@ -16,7 +16,9 @@ node agent, which users otherwise wired by hand:
 - ``supplementalGroups`` with ``spec.access.gid``, where the cache gives its files a group.
 
 Nothing already there is changed: a volume, mount or variable of the same name is left as the pod
-has it (the pod's own wiring wins), and a pod already injected is returned as it is.
+has it (the pod's own wiring wins). A pod of another namespace than the cache's is wired only when the
+cache lists that namespace (``spec.access.namespaces``); an ``flatcake.io/injected`` annotation the pod
+arrives with skips nothing (it is the webhook's own mark, overwritten).
 """
 
 from __future__ import annotations
@@ -40,13 +42,19 @@ def cache_of(pod: Mapping[str, Any], default_namespace: str) -> tuple[str, str]:
     return namespace or default_namespace, name
 
 
-def refusal(namespace: str, name: str, cache: Mapping[str, Any] | None) -> str | None:
-    """Why a pod naming this cache is refused, naming the fix; None when it may run."""
+def refusal(namespace: str, name: str, cache: Mapping[str, Any] | None, pod_namespace: str | None = None) -> str | None:
+    """Why a pod (of ``pod_namespace``) naming this cache is refused, naming the fix; None when it may run."""
     if not name:
         return f"label {CACHE_LABEL}: empty; name the FlatCakeCache the pod's SGLang backend uses"
     if cache is None:
         return (f"label {CACHE_LABEL}: no FlatCakeCache {name!r} in namespace {namespace!r}; create it, or set the "
                 f"{NAMESPACE_ANNOTATION} annotation to the namespace it is in")  # fmt: skip
+    if pod_namespace is not None and pod_namespace != namespace:
+        allowed = ((cache.get("spec") or {}).get("access") or {}).get("namespaces") or []
+        if pod_namespace not in allowed and "*" not in allowed:
+            return (f"FlatCakeCache {namespace}/{name}: spec.access.namespaces does not list namespace "
+                    f"{pod_namespace!r}; its pages are other users' prompts. Add the namespace there to let its "
+                    "pods use this cache, or use a cache of your own namespace")  # fmt: skip
     status = cache.get("status") or {}
     if status.get("phase") == "Degraded":
         why = status.get("problem") or "an agent reports errors (kubectl describe flatcakecache)"

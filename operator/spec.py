@@ -31,6 +31,7 @@ _DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # an RFC 1123 label
 _DEVICE = re.compile(r"^/dev/[A-Za-z0-9/_.:+-]+$")
 # The pod annotation by which a config change rolls the agents (render.daemon_set).
 CONFIG_HASH_ANNOTATION = "flatcake.io/config-hash"
@@ -182,6 +183,8 @@ class CacheSpec:
     wipe_policy: str
     pod: PodOptions = dataclasses.field(default_factory=lambda: PodOptions())
     access_gid: int | None = None  # the group given the agent's files; injected pods get it as a supplemental group
+    # Namespaces besides the cache's own whose pods the webhook wires to it ("*": any); KV pages are prompts.
+    access_namespaces: tuple[str, ...] = ()
     cross_node: bool = False  # spec.crossNode.enabled: serve and read pages across nodes
     cross_node_port: int = 7471
     transfer_protocol: str = "tcp"
@@ -239,6 +242,11 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
     page_tokens = r.get("kv.pageTokens", int)
     layers, page_bytes = _kv_geometry(r, page_tokens)
     gid = r.get("access.gid", int, None)
+    namespaces = tuple(r.get("access.namespaces", list, []))
+    for i, ns in enumerate(namespaces):
+        if not isinstance(ns, str) or not (ns == "*" or _NAMESPACE.fullmatch(ns)):
+            raise SpecError(f"spec.access.namespaces[{i}]", f"{ns!r} is not a namespace name (lowercase letters, "
+                            "digits and -, at most 63) or \"*\" (any namespace)")  # fmt: skip
     parsed = CacheSpec(
         image=r.get("image", str),
         image_pull_policy=r.get("imagePullPolicy", str, "IfNotPresent"),
@@ -276,6 +284,7 @@ def parse_spec(spec: dict[str, Any]) -> CacheSpec:
         wipe_policy=r.get("wipePolicy", str, "Refuse"),
         pod=pod,
         access_gid=gid,
+        access_namespaces=namespaces,
         cross_node=r.get("crossNode.enabled", bool, False),
         cross_node_port=r.get("crossNode.port", int, 7471),
         transfer_protocol=r.get("crossNode.transferProtocol", str, "tcp"),

@@ -307,8 +307,9 @@ async def test_the_webhook_wires_a_labelled_pod_and_refuses_one_naming_no_ready_
             answer: dict[str, Any] = (await r.json())["response"]
             return answer
 
-    def pod(labels: dict[str, str]) -> dict[str, Any]:
-        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sglang", "namespace": NS, "labels": labels},
+    def pod(labels: dict[str, str], namespace: str = NS, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+        meta = {"name": "sglang", "namespace": namespace, "labels": labels, "annotations": annotations or {}}
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
                 "spec": {"containers": [{"name": "sglang", "image": "sglang"}]}}  # fmt: skip
 
     async with running_operator(cluster.api, webhook_port=port):
@@ -328,6 +329,20 @@ async def test_the_webhook_wires_a_labelled_pod_and_refuses_one_naming_no_ready_
         assert json.loads(env["FLATCAKE_HICACHE_EXTRA_CONFIG"])["socket"] == env["FLATCAKE_SOCKET"]
         assert env["FLATCAKE_SOCKET"] == f"/run/flatcake/{NS}.{CACHE}/agent.sock"
         assert mutated["metadata"]["annotations"][inject.INJECTED_ANNOTATION] == f"{NS}.{CACHE}"
+        # A pre-set "injected" annotation skips nothing: the pod is wired (and checked) all the same.
+        preset = await review(pod({inject.CACHE_LABEL: CACHE}, annotations={inject.INJECTED_ANNOTATION: "x.y"}))
+        assert preset["allowed"] is True and preset.get("patch")
+        # A pod of another namespace naming this cache is refused unless the cache lists its namespace.
+        other = {inject.NAMESPACE_ANNOTATION: NS}
+        stranger = await review(pod({inject.CACHE_LABEL: CACHE}, namespace="tenant-b", annotations=other))
+        assert stranger["allowed"] is False
+        assert "spec.access.namespaces does not list namespace 'tenant-b'" in stranger["status"]["message"]
+        preset = {inject.NAMESPACE_ANNOTATION: NS, inject.INJECTED_ANNOTATION: f"{NS}.{CACHE}"}
+        sneaky = await review(pod({inject.CACHE_LABEL: CACHE}, namespace="tenant-b", annotations=preset))
+        assert sneaky["allowed"] is False
+        await cluster.patch(K.CACHES, CACHE, {"spec": {"access": {"namespaces": ["tenant-b"]}}})
+        listed = await review(pod({inject.CACHE_LABEL: CACHE}, namespace="tenant-b", annotations=other))
+        assert listed["allowed"] is True and listed.get("patch")
         untouched = await review(pod({"app": "other"}))
         assert untouched["allowed"] is True and not untouched.get("patch")  # no label: not the webhook's
         absent = await review(pod({inject.CACHE_LABEL: "nope"}))

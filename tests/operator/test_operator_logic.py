@@ -659,6 +659,20 @@ def test_a_pod_naming_an_absent_or_degraded_cache_is_refused_naming_the_fix() ->
 
 
 @pytest.mark.unit
+def test_a_pod_of_another_namespace_is_wired_only_where_the_cache_allows_it() -> None:
+    cache = {"spec": {"access": {"namespaces": ["team-a"]}}, "status": {"phase": "Ready"}}
+    assert inject.refusal("kv", "main", cache, "kv") is None  # the cache's own namespace
+    assert inject.refusal("kv", "main", cache, "team-a") is None
+    why = inject.refusal("kv", "main", cache, "team-b")
+    assert why is not None and "spec.access.namespaces does not list namespace 'team-b'" in why
+    assert inject.refusal("kv", "main", {"spec": {"access": {"namespaces": ["*"]}}}, "team-b") is None
+    assert inject.refusal("kv", "main", {"spec": {}}, "team-b") is not None  # default: its own namespace only
+    assert parse_spec(spec(access={"namespaces": ["team-a", "*"]})).access_namespaces == ("team-a", "*")
+    with pytest.raises(SpecError, match=r"spec.access.namespaces\[0\]: 'Team_A' is not a namespace name"):
+        parse_spec(spec(access={"namespaces": ["Team_A"]}))
+
+
+@pytest.mark.unit
 def test_cross_node_reads_are_rendered_into_the_agents() -> None:
     """spec.crossNode: every agent serves other nodes at its pod IP on the port, with the transfer engine's
     transport; off (the default) nothing listens."""
