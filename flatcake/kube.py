@@ -45,6 +45,7 @@ CONFIG_MAPS = Resource("", "v1", "configmaps")
 SERVICES = Resource("", "v1", "services")
 SERVICE_ACCOUNTS = Resource("", "v1", "serviceaccounts")
 SECRETS = Resource("", "v1", "secrets")
+NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies")
 EVENTS = Resource("", "v1", "events")
 NODES = Resource("", "v1", "nodes", namespaced=False)
 DAEMON_SETS = Resource("apps", "v1", "daemonsets")
@@ -59,6 +60,7 @@ BY_KIND = {
     "DaemonSet": DAEMON_SETS,
     "RoleBinding": ROLE_BINDINGS,
     "ServiceMonitor": SERVICE_MONITORS,
+    "NetworkPolicy": NETWORK_POLICIES,
     "FlatCakeNode": FLATCAKE_NODES,
 }
 

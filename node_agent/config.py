@@ -180,6 +180,7 @@ class ClusterConfig:
     max_peer_clients: int = 64  # connections from other nodes at once; more are answered `busy`
     peer_idle_timeout_s: float = 60.0  # a registered peer connection silent this long is closed
     peer_frame_budget_bytes: int = 32 * MiB  # request bytes being received across peer connections
+    max_peer_leases: int = 64  # leases one peer connection may hold at once (each pins scopes from reclaim)
     # The serving engine's prefill rate for this model (tokens/s); a peer's pages slower to fetch (at the
     # link rate measured on earlier reads) than to prefill are not used. 0: always fetch.
     prefill_tokens_per_s: float = 0.0
@@ -288,6 +289,8 @@ class EngineConfig:
             raise ConfigError(f"cluster.peer_timeout_s: {c.peer_timeout_s} must be > 0 seconds")
         if c.max_peer_clients < 1:
             raise ConfigError(f"cluster.max_peer_clients: {c.max_peer_clients} must be >= 1")
+        if c.max_peer_leases < 1:
+            raise ConfigError(f"cluster.max_peer_leases: {c.max_peer_leases} must be >= 1")
         if not c.peer_idle_timeout_s > 0:
             raise ConfigError(f"cluster.peer_idle_timeout_s: {c.peer_idle_timeout_s} must be > 0 seconds (peer "
                               "connections always idle out)")  # fmt: skip

@@ -88,6 +88,7 @@ def names(cache: Cache) -> dict[str, str]:
         "role_binding": f"{base}-agent",
         "reclaim": f"{base}-reclaim",
         "peer_secret": f"{base}-peer-secret",
+        "network_policy": f"{base}-agents",
     }
 
 
@@ -473,6 +474,33 @@ def reclaim_daemon_set(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
     return ds
 
 
+def network_policy(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
+    """spec.crossNode: who may reach the agents over the network. The peer port checks the cache's secret
+    itself, but the transfer engine's ports (ephemeral, unauthenticated) cannot: only pods of this cache
+    (its agents, and inference pods the webhook wired to it, labelled flatcake.io/cache) from the
+    namespaces allowed to use it reach any agent port; anyone may scrape the metrics port. Enforced where
+    the cluster's network plugin implements NetworkPolicy."""
+    allowed = [cache.namespace, *(ns for ns in spec.access_namespaces if ns != "*")]
+    namespaces: dict[str, Any] = (
+        {} if "*" in spec.access_namespaces
+        else {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": allowed}]}
+    )  # fmt: skip
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(cache, names(cache)["network_policy"]),
+        "spec": {
+            "podSelector": {"matchLabels": {"flatcake.io/cache": cache.name, "app.kubernetes.io/component": "agent"}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"namespaceSelector": namespaces,
+                           "podSelector": {"matchLabels": {"flatcake.io/cache": cache.name}}}]},
+                {"ports": [{"port": spec.metrics_port, "protocol": "TCP"}]},
+            ],
+        },
+    }  # fmt: skip
+
+
 # The Prometheus job of every agent target: the ServiceMonitor's jobLabel reads it from the Service
 # (otherwise the job is the Service's name, `<cache>-metrics`), so one alert rule matches every cache
 # (FlatCakeAgentDown in dashboards/prometheus-rules.yml).
@@ -532,6 +560,8 @@ def objects(
     cluster's nodes); the ServiceMonitor ``with_monitor`` (the spec asks for one, the cluster has the kind)."""
     out = [service_account(cache), role_binding(cache, agent_cluster_role), config_map(cache, config),
            daemon_set(spec, cache, config), service(spec, cache)]  # fmt: skip
+    if spec.cross_node:
+        out.append(network_policy(spec, cache))
     if with_monitor:
         out.append(service_monitor(spec, cache))
     return out

@@ -293,6 +293,10 @@ class Agent:
         self.catalog.abort(alloc_id)
 
     def op_acquire(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        cap = self.config.cluster.max_peer_leases
+        if session.remote and len(session.leases) >= cap:  # pins block reclaim: a peer holds only so many
+            raise P.ProtocolError(P.BUSY, f"acquire: this connection holds cluster.max_peer_leases={cap} leases "
+                                  "already; release some")  # fmt: skip
         copy = args.get("copy", False)
         if not isinstance(copy, bool):
             raise P.ProtocolError(P.BAD_ARGS, "copy: must be true or false (whether the reader fills DRAM copies)")

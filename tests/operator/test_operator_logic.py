@@ -363,6 +363,8 @@ def test_rendered_objects_validate_against_kubernetes_schemas() -> None:
             render.service(parsed, CACHE),
             render.service_account(CACHE),
             render.role_binding(CACHE, "fc-flatcake-agent"),
+            render.peer_secret(CACHE, "value"),
+            render.network_policy(parsed, CACHE),
         ]
         for obj in objects:
             kubernetes_validate.validate(obj, KUBERNETES, strict=True)
@@ -698,6 +700,19 @@ def test_cross_node_reads_are_rendered_into_the_agents() -> None:
     assert {"name": "peer-secret", "mountPath": render.PEER_SECRET_DIR, "readOnly": True} in agent["volumeMounts"]
     secret = render.peer_secret(CACHE, "s3cret-value")
     assert secret["kind"] == "Secret" and secret["metadata"]["ownerReferences"] == [CACHE.owner_reference()]
+    # Only the cache's pods, from the namespaces allowed to use it, reach the agents (the transfer engine's
+    # ports check nobody); the metrics port is open to scrapers.
+    policy = render.network_policy(on, CACHE)
+    assert any(o["kind"] == "NetworkPolicy" for o in render.objects(on, CACHE, config, "role", False))
+    assert not any(o["kind"] == "NetworkPolicy" for o in render.objects(off, CACHE, config, "role", False))
+    peers_rule, metrics_rule = policy["spec"]["ingress"]
+    (source,) = peers_rule["from"]
+    assert source["podSelector"] == {"matchLabels": {"flatcake.io/cache": CACHE.name}}
+    assert source["namespaceSelector"]["matchExpressions"][0]["values"] == [CACHE.namespace]
+    assert metrics_rule == {"ports": [{"port": on.metrics_port, "protocol": "TCP"}]}
+    shared = parse_spec(spec(crossNode={"enabled": True}, access={"namespaces": ["team-a"]}))
+    allowed = render.network_policy(shared, CACHE)["spec"]["ingress"][0]["from"][0]["namespaceSelector"]
+    assert allowed["matchExpressions"][0]["values"] == [CACHE.namespace, "team-a"]
     assert not any(
         v["name"] == "peer-secret"
         for v in render.daemon_set(off, CACHE, render.engine_config(off, CACHE))["spec"]["template"]["spec"]["volumes"]

@@ -135,6 +135,15 @@ def test_other_nodes_may_only_read(two_nodes: dict[str, Any]) -> None:
         peer.call("peer_sign", nonce=b"n" * 16, client_nonce=b"c" * 16)
     with pytest.raises(ValueError, match="page_bytes: the client.s model has 4096"):
         handshake(two_nodes["listen"], signer, page_bytes=4096)
+    # Leases pin pages against reclaim: a peer connection holds at most cluster.max_peer_leases of them.
+    writer = connect(two_nodes["a"].agent.socket)
+    writer.put(["l0"], pages(1, 8), SHARED)
+    leases = [peer.call("acquire", keys=["l0"])["id"] for _ in range(two_nodes["a"].cluster.max_peer_leases)]
+    with pytest.raises(ProtocolError, match="cluster.max_peer_leases=64"):
+        peer.call("acquire", keys=["l0"])
+    peer.call("release", id=leases[0])
+    assert peer.call("acquire", keys=["l0"])["id"] > leases[-1]
+    writer.close()
     peer.close()
     signer.close()
 
