@@ -280,7 +280,7 @@ def inject_pod(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any,
             why = f"FlatCakeCache {namespace}/{name}: {exc}; fix it before starting pods that use it"
     if why is not None:
         raise kopf.AdmissionError(why, code=403)
-    spec = inject.mutate(pod, wiring)
+    spec = inject.mutate(pod, inject.for_tenant(wiring, pod_namespace))
     for key, value in spec.items():
         if value != pod.get("spec", {}).get(key):
             patch.spec[key] = value

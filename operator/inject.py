@@ -62,6 +62,17 @@ def refusal(namespace: str, name: str, cache: Mapping[str, Any] | None, pod_name
     return None
 
 
+def for_tenant(wiring: Mapping[str, Any], tenant: str) -> dict[str, Any]:
+    """``wiring`` whose SGLang and vLLM configs name ``tenant`` (the pod's namespace): its pages are keyed
+    apart from every other namespace's, even for the same prompt."""
+    out = dict(wiring)
+    out["extra_config"] = {**wiring["extra_config"], "tenant": tenant}
+    vllm = dict(wiring["vllm_config"])
+    vllm["kv_connector_extra_config"] = {**vllm.get("kv_connector_extra_config", {}), "tenant": tenant}
+    out["vllm_config"] = vllm
+    return out
+
+
 def mutate(pod: Mapping[str, Any], wiring: Mapping[str, Any]) -> dict[str, Any]:
     """The pod's ``spec`` with the cache's wiring added (a copy; the pod is not changed).
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,6 +22,22 @@ REQUEST_FIELDS = (*HINT_FIELDS, "expected_reuse")
 # What a deployment may set for every request: only what a key chain cannot tell.
 DEPLOYMENT_FIELDS = ("reply_tokens", "expected_reuse")
 HINTS_ENV = "FLATCAKE_SGLANG_HINTS"  # read by both connectors (the name is older than vLLM's)
+
+
+TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def tenant_suffix(extra: dict[str, Any]) -> str:
+    """What a deployment's ``tenant`` (storage extra config) adds to every page key: pages of two tenants
+    never share a key, even for one prompt (the engines' own ``cache_salt`` already seeds their hashes;
+    this separates deployments that set none). The webhook sets it to the pod's namespace."""
+    tenant = extra.get("tenant")
+    if tenant is None or tenant == "":
+        return ""
+    if not isinstance(tenant, str) or not TENANT.fullmatch(tenant):
+        raise ConfigError(f"tenant: {tenant!r} must be 1-63 letters, digits, '.', '_' or '-' (a namespace name "
+                          "fits)")  # fmt: skip
+    return f"@t:{tenant}"
 
 
 def deployment_hints(extra: dict[str, Any]) -> dict[str, int]:

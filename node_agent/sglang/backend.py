@@ -63,7 +63,7 @@ from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.policy.signals import ChainSignals, Run
 from flatcake.node_agent.service.client import connect
 from flatcake.node_agent.service.cluster import Cluster
-from flatcake.node_agent.service.hints import deployment_hints, run_hints
+from flatcake.node_agent.service.hints import deployment_hints, run_hints, tenant_suffix
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
             suffix += f"@pp{c.pp_rank}of{c.pp_size}"
         if c.attn_cp_size > 1:
             suffix += f"@cp{c.attn_cp_rank}of{c.attn_cp_size}"
+        suffix += tenant_suffix(extra)  # every key builder appends the suffix: one place for the tenant
         self.suffix = suffix
         # Mamba state is sharded across TP ranks even when the model's MLA cache is replicated
         # (hicache_storage.py HiCacheFile._get_suffixed_key), so it always carries the rank.

@@ -43,7 +43,7 @@ from flatcake.node_agent.datapath.engine import Engine
 from flatcake.node_agent.datapath.target import PagedTarget
 from flatcake.node_agent.policy.signals import ChainSignals
 from flatcake.node_agent.service.client import connect
-from flatcake.node_agent.service.hints import deployment_hints, run_hints
+from flatcake.node_agent.service.hints import deployment_hints, run_hints, tenant_suffix
 from flatcake.node_agent.vllm.plan import Load, Save, Tracker, block_keys, lookup_range, rank_suffix
 
 # Under vLLM's logger tree: vLLM configures only its own loggers, so this one prints where vLLM's do.
@@ -74,7 +74,7 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
         # The scheduler looks up rank 0's shard; each worker stores and loads its own.
         rank = 0 if self.is_scheduler else _tp_rank()
-        self.suffix = rank_suffix(rank, self.tp_size, self.mla)
+        self.suffix = rank_suffix(rank, self.tp_size, self.mla) + tenant_suffix(extra)
         self.writer = not self.mla or rank == 0
         group = kv_cache_config.kv_cache_groups[0] if kv_cache_config is not None else None
         self.layer_names: list[str] = list(group.layer_names) if group is not None else []

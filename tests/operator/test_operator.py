@@ -327,6 +327,9 @@ async def test_the_webhook_wires_a_labelled_pod_and_refuses_one_naming_no_ready_
         mutated = jsonpatch.apply_patch(pod({inject.CACHE_LABEL: CACHE}), json.loads(base64.b64decode(wired["patch"])))
         env = {e["name"]: e["value"] for e in mutated["spec"]["containers"][0]["env"]}
         assert json.loads(env["FLATCAKE_HICACHE_EXTRA_CONFIG"])["socket"] == env["FLATCAKE_SOCKET"]
+        # The pod's namespace is its tenant: its pages are keyed apart from other namespaces' (SGLang, vLLM).
+        assert json.loads(env["FLATCAKE_HICACHE_EXTRA_CONFIG"])["tenant"] == NS
+        assert json.loads(env["FLATCAKE_VLLM_KV_TRANSFER_CONFIG"])["kv_connector_extra_config"]["tenant"] == NS
         assert env["FLATCAKE_SOCKET"] == f"/run/flatcake/{NS}.{CACHE}/agent.sock"
         assert mutated["metadata"]["annotations"][inject.INJECTED_ANNOTATION] == f"{NS}.{CACHE}"
         # A pre-set "injected" annotation skips nothing: the pod is wired (and checked) all the same.

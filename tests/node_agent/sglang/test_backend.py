@@ -90,6 +90,35 @@ def test_v1_round_trip_through_the_abc(agent_thread: Start, mla: bool, layout: s
     backend.close()
 
 
+def test_two_tenants_with_one_prompt_never_share_a_page(agent_thread: Start) -> None:
+    """extra config tenant (the webhook sets the pod's namespace): one cache, one prompt, two tenants, two
+    sets of pages; a second process of the same tenant finds its tenant's."""
+    from flatcake.errors import ConfigError
+
+    page_bytes = 2 * PAGE * HEADS * DIM * 2
+    agent = agent_thread(layers=LAYERS, page_bytes=page_bytes, files=8, file_bytes=64 * LAYERS * page_bytes)
+    keys = [f"{i:064x}" for i in range(3)]
+    a, b = make_backend(agent, HostPool(False, "page_first"), extra={"tenant": "team-a"}), None
+    try:
+        assert a.batch_set_v1(keys, torch.arange(0, 3 * PAGE)) == [True] * 3
+        b = make_backend(agent, HostPool(False, "page_first"), extra={"tenant": "team-b"})
+        assert a.batch_exists(keys) == 3 and b.batch_exists(keys) == 0
+        assert b.batch_get_v1(keys, torch.arange(0, 3 * PAGE)) == [False] * 3
+        again = make_backend(agent, HostPool(False, "page_first"), extra={"tenant": "team-a"})
+        assert again.batch_exists(keys) == 3
+        again.close()
+        untenanted = make_backend(agent, HostPool(False, "page_first"))
+        assert untenanted.batch_exists(keys) == 0
+        untenanted.close()
+        assert agent.agent.catalog.table.pages() == 3  # one set stored, nothing shared
+        with pytest.raises(ConfigError, match="tenant: 'team a/b' must be 1-63 letters"):
+            make_backend(agent, HostPool(False, "page_first"), extra={"tenant": "team a/b"})
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
 def _with_buffer(pool: HostPool, buffer: torch.Tensor) -> HostPool:
     copy = HostPool.__new__(HostPool)
     copy.__dict__.update(pool.__dict__)

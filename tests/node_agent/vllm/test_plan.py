@@ -52,3 +52,17 @@ def test_a_resumed_request_takes_its_new_blocks_and_a_finished_one_is_forgotten(
     t.finished("r")
     _, save = t.step("r", keys, [1, 2, 3], replace_blocks=True, computed_after=3 * BS, prompt_tokens=3 * BS)
     assert save is not None and save.keys == keys  # a new request under the same id starts afresh
+
+
+def test_a_tenant_keys_blocks_apart_and_is_checked() -> None:
+    """The connector's suffix is the rank's shard plus the deployment's tenant (extra config)."""
+    from flatcake.errors import ConfigError
+    from flatcake.node_agent.service.hints import tenant_suffix
+
+    h = [b"\x01" * 16]
+    a = block_keys(h, rank_suffix(0, 2, False) + tenant_suffix({"tenant": "team-a"}))
+    b = block_keys(h, rank_suffix(0, 2, False) + tenant_suffix({"tenant": "team-b"}))
+    none = block_keys(h, rank_suffix(0, 2, False) + tenant_suffix({}))
+    assert len({a[0], b[0], none[0]}) == 3 and a[0].endswith("@tp0of2@t:team-a")
+    with pytest.raises(ConfigError, match="tenant: 7 must be"):
+        tenant_suffix({"tenant": 7})
