@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import inspect
 import logging
 import operator
+import os
 import platform
 import signal
 import socket
@@ -81,6 +83,9 @@ class Agent:
         c = self.config = config
         self.ready = False
         self.gid = resolve_gid(c.agent.group)
+        # What can be refused without touching the pool is checked first, naming the field and the fix.
+        _usable_dir(Path(c.agent.socket).parent, "agent.socket")
+        self.peer_secret = peer_auth.load_secret(c.cluster.secret_file) if c.cluster.secret_file else None
         # One agent per pool, before anything is touched: a second one is refused here, naming the first,
         # instead of advancing the epoch (fencing the first) and failing later on a port (catalog/owner.py).
         self.owner = PoolOwner.take(lock_paths(c.ssd.dir, c.dram.shm_dir, c.dram.name), self.gid)
@@ -128,7 +133,6 @@ class Agent:
         self._scanner: threading.Thread | None = None
         self._compactor: threading.Thread | None = None
         self.peers: PeerService | None = None  # serving other nodes (cluster.listen), made by serve
-        self.peer_secret: bytes | None = None  # the cache's peer secret (cluster.secret_file), read by serve
         self.peer_address = ""  # host:port the peer service listens on, once bound
         self.discovered_peers: tuple[str, ...] = ()  # other nodes' agents, from their FlatCakeNodes
 
@@ -563,19 +567,24 @@ class Agent:
     def start_http(self) -> int:
         """Serve /metrics, /healthz and /readyz from threads; returns the bound port."""
         a = self.config.agent
-        self.http_server = http.start(self, a.metrics_host, self.metrics_port, a.http_timeout_s, a.http_max_connections)
+        try:
+            self.http_server = http.start(self, a.metrics_host, self.metrics_port, a.http_timeout_s,
+                                          a.http_max_connections)  # fmt: skip
+        except OSError as exc:
+            raise _bind_error("agent.metrics_port", f"{a.metrics_host}:{self.metrics_port}", exc) from None
         self.metrics_port = self.http_server.server_port
         return self.metrics_port
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         await asyncio.to_thread(self.recover)  # no-op when done already; probes answer meanwhile
         path = Path(self.config.agent.socket)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _usable_dir(path.parent, "agent.socket")
         _remove_stale_socket(path)
-        secret_file = self.config.cluster.secret_file  # this node's clients need it signed, listening or not
-        self.peer_secret = peer_auth.load_secret(secret_file) if secret_file else None
         peer_server = await self._serve_peers()  # first: a client that reaches the socket may ask peers
-        server = await asyncio.start_unix_server(self._serve_connection, path=str(path))
+        try:
+            server = await asyncio.start_unix_server(self._serve_connection, path=str(path))
+        except OSError as exc:
+            raise _bind_error("agent.socket", str(path), exc) from None
         share_path(path, self.gid)
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -605,7 +614,10 @@ class Agent:
         if self.peer_secret is None:
             log.warning("cluster.insecure_peers: %s serves anyone who reaches it", c.listen)
         self.peers = await asyncio.to_thread(PeerService, self.config, self.catalog, self.dram)
-        server = await asyncio.start_server(self._serve_peer, where[0], where[1])
+        try:
+            server = await asyncio.start_server(self._serve_peer, where[0], where[1])
+        except OSError as exc:
+            raise _bind_error("cluster.listen", c.listen, exc) from None
         port = server.sockets[0].getsockname()[1]
         self.peer_address = f"{where[0]}:{port}"
         log.info("serving other nodes on %s; transfer engine %s over %s", self.peer_address,
@@ -685,6 +697,32 @@ def _peer_pid(writer: asyncio.StreamWriter) -> int:
     except (AttributeError, OSError):
         return 0
     return int(pid)
+
+
+def _usable_dir(directory: Path, field: str) -> None:
+    """``directory`` exists (made if need be) and the agent may create files in it; else a ConfigError
+    naming ``field``, the path and the fix."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot create {directory}: {exc.strerror}; run the agent as a user that may "
+                          f"write there, or set {field} under a directory it owns") from None  # fmt: skip
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"{field}: {directory} is not writable by this agent (uid {os.getuid()}); grant it write "
+                          f"access, or set {field} under a directory it owns")  # fmt: skip
+
+
+def _bind_error(field: str, where: str, exc: OSError) -> ConfigError:
+    """An address or socket the agent could not listen on, named with the field that sets it."""
+    if exc.errno == errno.EADDRINUSE:
+        why = "is in use (another agent, or another process): stop it or choose another"
+        if field != "agent.socket":
+            why += " (port 0 picks a free one)"
+    elif exc.errno == errno.EACCES:
+        why = "is not allowed for this agent (a port below 1024 needs privilege; a socket, write access)"
+    else:
+        why = f"cannot be listened on: {exc.strerror}"
+    return ConfigError(f"{field}: {where} {why}")
 
 
 def _remove_stale_socket(path: Path) -> None:

@@ -640,3 +640,43 @@ def test_a_second_agent_on_a_serving_pool_is_refused_and_the_first_keeps_serving
     finally:
         first.terminate()
         first.wait(30)
+
+
+def test_os_errors_name_the_field_the_address_and_the_fix(tmp_path: Path) -> None:
+    """What the agent cannot listen on or create is a ConfigError naming the setting, not a bare errno
+    (issue 45); a socket directory it cannot create is refused before the pool is touched."""
+    import dataclasses
+
+    from flatcake.node_agent.config import ClusterConfig
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the socket's directory should be")
+    bad = small_config(tmp_path / "a", agent={"socket": str(blocker / "agent.sock")})
+    with pytest.raises(ConfigError, match=rf"agent.socket: cannot create {blocker}"):
+        S.Agent(bad)
+    assert not Path(bad.ssd.dir).exists()  # nothing touched
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    config = small_config(tmp_path / "b", agent={"metrics_port": port})
+    agent = S.Agent(config)
+    try:
+        with pytest.raises(ConfigError, match=rf"agent.metrics_port: 127.0.0.1:{port} is in use .*port 0 picks"):
+            agent.start_http()
+    finally:
+        agent.close()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 32)
+    peers = dataclasses.replace(config, cluster=ClusterConfig(listen=f"127.0.0.1:{port}", secret_file=str(secret)))
+    agent = S.Agent(peers)
+    try:
+        with pytest.raises(ConfigError, match=rf"cluster.listen: 127.0.0.1:{port} is in use"):
+            asyncio.run(agent._serve_peers())
+    finally:
+        agent.close()
+        held.close()
+    short = tmp_path / "short"
+    short.write_bytes(b"tiny")
+    with pytest.raises(ConfigError, match="cluster.secret_file: .* holds 4 bytes"):
+        S.Agent(dataclasses.replace(config, cluster=ClusterConfig(secret_file=str(short))))
