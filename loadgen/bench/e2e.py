@@ -156,14 +156,22 @@ def run_meta(trace: str, requests: int | None, page_tokens: int, qps: tuple[floa
     }  # fmt: skip
 
 
-def _wait(check: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, timeout: float = 60) -> None:
+def _wait(check: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path,
+          timeout: float = 60) -> None:  # fmt: skip
     deadline = time.monotonic() + timeout
     while not check():
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}; see its log")
+            raise RuntimeError(f"{what} exited with {proc.returncode}; see {log}:\n{_tail(log)}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not come up in {timeout:.0f}s")
+            raise RuntimeError(f"{what} did not come up in {timeout:.0f}s; see {log}")
         time.sleep(0.1)
+
+
+def _tail(log: Path, lines: int = 5) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 def _http_ok(url: str) -> bool:
@@ -277,7 +285,7 @@ def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Poin
         logs.append(open(run_dir / "emulator.log", "wb"))  # noqa: SIM115 - closed below
         emulator = subprocess.Popen(args, stdout=logs[-1], stderr=subprocess.STDOUT, cwd=data)
         url = f"http://127.0.0.1:{port}"
-        _wait(lambda: _http_ok(url + "/healthz"), emulator, "the emulator")
+        _wait(lambda: _http_ok(url + "/healthz"), emulator, "the emulator", run_dir / "emulator.log")
         rc = run_locust(LoadgenConfig(host=url, trace=str(trace), qps=point.qps, system=point.label,
                                       results=str(run_dir / "results.jsonl"), csv_prefix=str(run_dir / "locust"),
                                       max_output=cfg.max_output))  # fmt: skip

@@ -242,3 +242,15 @@ def test_flatcakes_dram_split_runs_as_its_own_rows(tmp_path: Path) -> None:
     assert e2e.system_rules(ssd_only)["storage_dram_bytes"] == 0
     with pytest.raises(ConfigError, match="storage_dram_share: 1.0 must be at least 0 and below 1"):
         EmulatorConfig(storage_dram_share=1.0)
+
+
+def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path: Path) -> None:
+    """bench e2e names the log of a process that exited before it served, and shows its last lines."""
+    log = tmp_path / "emulator.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; print('port 1 is taken'); sys.exit(2)"],
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        with pytest.raises(RuntimeError) as caught:
+            e2e._wait(lambda: False, proc, "the emulator", log)
+    assert f"the emulator exited with 2; see {log}" in str(caught.value)
+    assert "port 1 is taken" in str(caught.value)
