@@ -623,16 +623,19 @@ class Emulator:
             await asyncio.sleep(step)
             yield i
 
-    async def flush_hbm(self) -> int:
+    async def flush_hbm(self, busy: Callable[[], bool] = lambda: False) -> int | None:
         """Drop HBM's prefix cache (SGLang's ``/flush_cache``): the next requests start cold on the GPU
         and find their prefixes in the storage under test, which keeps everything. Write-backs still
         running are waited for first (their pages are pinned in HBM until stored), so a flush that
         returns has dropped every page of every answered request, however slow the storage is. Pages
         prepared for a request still waiting are in its host staging, not HBM, and stay. Returns the
-        pages dropped."""
+        pages dropped, or None (nothing dropped) when ``busy()`` says requests arrived while it waited:
+        they were admitted with their prefix in HBM, which SGLang never flushes under a running request."""
         while self._writes:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in list(self._writes)), return_exceptions=True)
             await asyncio.sleep(0)  # the writer's unpin callbacks, queued before the gather woke, run now
+        if busy():  # checked again after the wait, with no await between it and the drop
+            return None
         drop = [key for key in self.hbm if key not in self.pinned]
         for key in drop:
             del self.hbm[key]

@@ -420,10 +420,13 @@ async def server_info(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     """SGLang ``/flush_cache`` (vLLM: ``/reset_prefix_cache``): empties HBM's prefix cache, not the
     storage under test. Refused while requests are being answered, as SGLang refuses."""
+    refused = web.Response(status=400, text="Cache not flushed. (When there are running or waiting requests, "
+                                            "the operation will not be performed.)\n")  # fmt: skip
     if request.app[HTTP].inflight:
-        return web.Response(status=400, text="Cache not flushed. (When there are running or waiting requests, "
-                                             "the operation will not be performed.)\n")  # fmt: skip
-    pages = await request.app[EMULATOR].flush_hbm()
+        return refused
+    pages = await request.app[EMULATOR].flush_hbm(lambda: bool(request.app[HTTP].inflight))
+    if pages is None:  # requests arrived while it waited for write-backs
+        return refused
     return web.Response(text=f"Cache flushed. ({pages} HBM pages dropped; the storage under test keeps its pages)\n")
 
 

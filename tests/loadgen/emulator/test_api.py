@@ -25,6 +25,7 @@ from flatcake.loadgen.replay.requests import body, path, prompt_tokens, read_str
 from flatcake.loadgen.traces.formats import TraceRequest
 from tests.support import bench_serving
 from tests.support.emulators import Server
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -336,6 +337,47 @@ def test_a_flush_waits_for_write_backs_in_flight(tmp_path: Path) -> None:
         assert flushed and flushed[0][0] == 200 and stored.is_set()
         cold = call(server, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})[1]
         assert cold["meta_info"]["cached_tokens_details"]["device"] == 0
+    finally:
+        gate.set()
+        server.stop()
+
+
+def test_a_flush_is_refused_when_requests_arrived_while_it_waited(tmp_path: Path) -> None:
+    """A flush waiting for a write-back checks again for requests before it drops anything: one admitted
+    meanwhile (its prefix found in HBM) is still running, so the flush is refused, as SGLang refuses it
+    (issue 45: before, it dropped HBM under the running request)."""
+    import threading
+
+    from flatcake.loadgen.emulator.server import EMULATOR, HTTP
+
+    server = Server(EmulatorConfig(data_dir=str(tmp_path), ssd_bytes=64 << 20, scope_file_bytes=4 << 20,
+                                   decode_tokens_per_s=200.0))  # fmt: skip
+    gate = threading.Event()
+    try:
+        emu = server.runner.app[EMULATOR]
+        store = emu.storage.store
+
+        def held_store(*args: Any) -> Any:
+            assert gate.wait(30)
+            return store(*args)
+
+        emu.storage.store = held_store  # type: ignore[method-assign]
+        prompt = list(range(600))
+        call(server, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})
+        flushed: list[Any] = []
+        t = threading.Thread(target=lambda: flushed.append(call(server, "/flush_cache", {})))
+        t.start()
+        wait_until(lambda: bool(emu._writes), what="the write-back to be held")
+        later: list[Any] = []
+        r = threading.Thread(target=lambda: later.append(call(server, "/generate", {
+            "input_ids": prompt + [7] * 300, "sampling_params": {"max_new_tokens": 200}})))  # fmt: skip
+        r.start()
+        wait_until(lambda: server.runner.app[HTTP].inflight > 0, what="a request admitted during the flush")
+        gate.set()
+        t.join(30)
+        assert flushed and flushed[0][0] == 400, flushed
+        r.join(60)
+        assert later and later[0][1]["meta_info"]["cached_tokens_details"]["device"] >= 512  # its prefix held
     finally:
         gate.set()
         server.stop()
