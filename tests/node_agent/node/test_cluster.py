@@ -118,9 +118,11 @@ def test_reporter_writes_on_change_and_as_a_heartbeat(tmp_path: Path, monkeypatc
 def test_agents_serving_other_nodes_report_where_and_learn_each_other(tmp_path: Path) -> None:
     """spec.crossNode: each agent writes status.peer; the others' ready peers of the same cache are its
     peers (clients ask their agent: op ``peers``)."""
+    secret = tmp_path / "peer-secret"
+    secret.write_bytes(b"k" * 32)
     c = dataclasses.replace(small_config(tmp_path), cluster=ClusterConfig(cache="main", namespace="kv",
                                                                           listen="10.0.0.1:7471",
-                                                                          secret_file="/etc/flatcake/peer"))  # fmt: skip
+                                                                          secret_file=str(secret)))  # fmt: skip
     usage = {"dram": {"capacity_bytes": 8, "used_bytes": 0}, "ssd": {"capacity_bytes": 8, "used_bytes": 0}}
     kube = _RecordingKube()
     found: list[list[str]] = []
