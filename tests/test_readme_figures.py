@@ -62,3 +62,21 @@ def test_the_vllm_figure_names_its_baseline() -> None:
     figure = vllm_figure()
     at = readme.index(figure)
     assert "prefix cache alone" in readme[at : at + 300], "the vLLM figure must say what it is measured against"
+
+
+def test_the_copies_figures_are_the_committed_runs() -> None:
+    """Issue 42: the simulator's ratios at the paper's shape, and the e2e ratio that keeps table2 the default."""
+    readme = (ROOT / "README.md").read_text()
+    runs = json.loads((RESULTS / "simulate-copies.json").read_text())["runs"]
+    tiered = {(r["users"], r["qps"]): r["ttft_mean_s"] for r in runs if r["system"] == "tiered"}
+
+    def ratios(placement: str, share: float) -> list[float]:
+        return [r["ttft_mean_s"] / tiered[(r["users"], r["qps"])] for r in runs
+                if r["system"] == "flatcake" and r["placement"] == placement and r["storage_dram_share"] == share]  # fmt: skip
+
+    assert f"with copies and 90% of DRAM in its pool, has {_span(ratios('copies', 0.9))} the idealized" in " ".join(
+        readme.split()
+    )
+    assert f"where Table 2 has {_span(ratios('table2', 0.5))}." in " ".join(readme.split())
+    e2e = _e2e("e2e-copies.json")
+    assert f"({_mean(e2e, 'flatcake-copies', 4) / _mean(e2e, 'flatcake', 4):.2f}× Table 2 at 4 QPS" in readme
