@@ -283,12 +283,7 @@ class Emulator:
             self.hbm.move_to_end(key)
 
     def _pin(self, keys: Sequence[str], delta: int) -> None:
-        for key in keys:
-            n = self.pinned.get(key, 0) + delta
-            if n > 0:
-                self.pinned[key] = n
-            else:
-                self.pinned.pop(key, None)
+        hicache.lock(self.pinned, keys, delta)
 
     def _hbm_insert(self, keys: list[str]) -> None:
         self._touch(keys)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
+from flatcake.loadgen.systems import hicache_rules as hicache
+
 
 class HbmCache:
     def __init__(self, pages: int) -> None:
@@ -46,10 +48,4 @@ class HbmCache:
             del self.lru[key]
 
     def pin(self, keys: Iterable[Hashable], delta: int) -> None:
-        pins = self.pins
-        for key in keys:
-            n = pins.get(key, 0) + delta
-            if n > 0:
-                pins[key] = n
-            else:
-                pins.pop(key, None)
+        hicache.lock(self.pins, keys, delta)

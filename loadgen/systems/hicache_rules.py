@@ -32,9 +32,9 @@ Read from SGLang 0.5.23 (cited by file and function; no code taken):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DEFAULT_PREFETCH_POLICY = "timeout"
@@ -123,3 +123,15 @@ def due_lookups(waiting: Sequence[W], passes: int) -> list[W]:
                 job.lookups += 1
                 due.append(job)
     return due
+
+
+def lock(counts: dict[Any, int], keys: Iterable[Any], delta: int) -> None:
+    """Add ``delta`` to each key's lock count (SGLang's ``inc_lock_ref``/``dec_lock_ref`` on the radix
+    nodes a request or a pending backup holds); a page whose count drops to zero is unlocked (absent), and
+    eviction passes over locked pages."""
+    for key in keys:
+        n = counts.get(key, 0) + delta
+        if n > 0:
+            counts[key] = n
+        else:
+            counts.pop(key, None)

@@ -36,7 +36,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from flatcake.loadgen.systems.base import Array, MiB, RequestTiming, RestoreCounters, StoreSystem, SystemSpec
-from flatcake.loadgen.systems.hicache_rules import STORAGE_BATCH_PAGES
+from flatcake.loadgen.systems.hicache_rules import STORAGE_BATCH_PAGES, lock
 from flatcake.node_agent import Key, aligned_empty
 from flatcake.node_agent.datapath.file_pool import create_pool
 from flatcake.node_agent.datapath.io_backends import PosixDirectIO
@@ -305,12 +305,7 @@ class TieredStore:
     def _hold(self, keys: Sequence[Key], delta: int) -> None:
         """Count holds on host-tier pages (a queued backup, a waiting request); eviction skips held pages.
         Called under the lock."""
-        for key in keys:
-            n = self._pending.get(key, 0) + delta
-            if n > 0:
-                self._pending[key] = n
-            else:
-                self._pending.pop(key, None)
+        lock(self._pending, keys, delta)
 
     def host_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading pages of ``keys`` the host tier holds."""

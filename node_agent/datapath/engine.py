@@ -347,8 +347,8 @@ class Engine:
         checked, into its DRAM slot; the crc32 of each copy, or -1 where the restore did not finish or the
         page is missing (nothing then serves that slot)."""
         want = [i for i, slot in enumerate(lease.copies) if slot >= 0]
-        target = restore.target
-        if not restore.complete or target.limits is not None:
+        target = restore.target  # never one with limits: ``get`` asks no copies for those
+        if not restore.complete:
             return [-1] * len(want)
         fill = [i for i in want if i not in restore.missing]
         crc = dict.fromkeys(want, -1)

@@ -397,11 +397,16 @@ class ScopeTable:
             scope = self._new_scope(Medium.DRAM)
         slots = self.dram.alloc(n)
         scope.slots.extend(slots)
-        base = G.encode(Medium.DRAM, self.node_id, 0)
         G.encode(Medium.DRAM, self.node_id, (max(slots) + 1) * self.page_span - 1)  # the last page fits the GVA
-        gva = np.asarray(slots, np.uint64) * np.uint64(self.page_span) + np.uint64(base)
-        stride = np.full(n, self.page_bytes, np.int64)
+        gva, stride = self._dram_gva(slots)
         return Reservation(list(keys), scope, decision, new, digests, slots=slots, gva=gva, stride=stride)
+
+    def _dram_gva(self, slots: Sequence[int]) -> tuple[U64, npt.NDArray[np.int64]]:
+        """The layer-0 GVAs and layer strides of pages in DRAM pool ``slots`` (a page keeps its layers back
+        to back); ``_slot_of`` is the inverse."""
+        base = G.encode(Medium.DRAM, self.node_id, 0)
+        gva = np.asarray(slots, np.uint64) * np.uint64(self.page_span) + np.uint64(base)
+        return gva, np.full(len(slots), self.page_bytes, np.int64)
 
     def _reserve_ssd(self, keys: list[Key], digests: Digests, scope: Scope | None, decision: Decision) -> Reservation:
         span = self.page_span
@@ -586,10 +591,7 @@ class ScopeTable:
 
     def _add_copies(self, scope: Scope, d: Digests, slots: Sequence[int], crc: npt.NDArray[np.int64]) -> None:
         assert self.copy_index is not None
-        gva = np.asarray(slots, np.uint64) * np.uint64(self.page_span) + np.uint64(
-            G.encode(Medium.DRAM, self.node_id, 0)
-        )
-        self.copy_index.put(d, scope.id, gva, np.full(len(slots), self.page_bytes, np.int64), crc)
+        self.copy_index.put(d, scope.id, *self._dram_gva(slots), crc)
         scope.copy_slots.extend(slots)
         scope.copy_keys.extend(d)
         self._copy_read[list(slots)] = False

@@ -15,7 +15,8 @@
 
 Failures turn into misses, never into wrong bytes: a peer that does not answer, whose transfer fails or
 times out, whose bytes do not match their crc32, or whose reply is not what the protocol says (a lease
-without a crc per page, more hits than asked, indexes out of range: ``_reply``) yields ``missing`` pages;
+without a crc per page, more hits than asked, indexes out of range: ``_count``, ``_ints``, ``_peer_info``,
+``_staged_reply``) yields ``missing`` pages;
 a failed peer is left out of lookups for ``peer_timeout_s`` and then reconnected from scratch (a
 restarted agent registers anew, with its new pool address). No exception from a peer reaches the
 caller (SGLang's or vLLM's thread).
@@ -288,7 +289,7 @@ class Cluster:
             on_ssd = gva >= np.uint64(G.SSD_THRESHOLD)
             offsets = (gva & np.uint64(G.MAX_OFFSET)).astype(np.int64)
             ssd, dram = np.flatnonzero(on_ssd), np.flatnonzero(~on_ssd)
-            stage = self._staged(on_ssd) | (int(peer.info["dram_base"]) == 0)  # 0: its pool is not exposed
+            stage = self._staged(on_ssd, peer)
             direct = np.flatnonzero(~stage)
             staging = np.flatnonzero(stage)
             staged_missing: set[int] = set()
@@ -333,13 +334,15 @@ class Cluster:
                     conn.call("unstage", id=int(staged["handle"]))
                 conn.call("release", id=int(lease["id"]))
 
-    def _staged(self, on_ssd: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+    def _staged(self, on_ssd: npt.NDArray[np.bool_], peer: Peer) -> npt.NDArray[np.bool_]:
         """Which pages the peer's agent stages (the rest are read one-sided from its DRAM pool). SSD pages
         always: no transfer engine reads a peer's disk here. DRAM pages too over TCP, where each range
         costs a round of the engine's protocol and a page-layer is one range: staged, a chunk is one range
-        per layer (bench remote measures both side by side: docs/benchmarks.md). Over RDMA the NIC reads
-        page-layers one-sided without the peer's CPU, as FC-GVA intends."""
-        return np.ones_like(on_ssd) if self.stage_dram else on_ssd
+        per layer (bench remote measures both side by side: docs/benchmarks.md), and whenever the peer
+        does not expose its pool to the transfer engine (``dram_base`` 0: cluster.one_sided_dram). Over
+        RDMA the NIC reads page-layers one-sided without the peer's CPU, as FC-GVA intends."""
+        one_sided = not self.stage_dram and int(peer.info["dram_base"]) != 0
+        return on_ssd if one_sided else np.ones_like(on_ssd)
 
     def close(self) -> None:
         self._ask.shutdown(wait=False, cancel_futures=True)
@@ -357,10 +360,12 @@ def _count(value: Any, what: str, most: int) -> int:
     return value
 
 
-def _ints(value: Any, n: int, what: str, lo: int, hi: int) -> list[int]:
-    """A list of ``n`` integers in ``lo..hi`` from a peer."""
-    if not isinstance(value, list) or len(value) != n or not all(type(x) is int and lo <= x <= hi for x in value):
-        raise PeerReplyError(f"{what}: expected {n} integers in {lo}..{hi}, got {str(value)[:60]!r}")
+def _ints(value: Any, n: int | None, what: str, lo: int, hi: int) -> list[int]:
+    """A list of ``n`` integers (any number: None) in ``lo..hi`` from a peer."""
+    if (not isinstance(value, list) or (n is not None and len(value) != n)
+            or not all(type(x) is int and lo <= x <= hi for x in value)):  # fmt: skip
+        raise PeerReplyError(f"{what}: expected {n if n is not None else 'any number of'} integers in "
+                             f"{lo}..{hi}, got {str(value)[:60]!r}")  # fmt: skip
     return value
 
 
@@ -383,7 +388,7 @@ def _staged_reply(reply: Any, n: int) -> dict[str, Any]:
     for name in ("handle", "address"):
         if type(reply.get(name)) is not int:
             raise PeerReplyError(f"stage: {name} {reply.get(name)!r} is not an integer")
-    _ints(reply.get("missing"), len(reply.get("missing") or []), "stage: missing", 0, n - 1)
+    _ints(reply.get("missing"), None, "stage: missing", 0, n - 1)
     return reply
 
 

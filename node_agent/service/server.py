@@ -509,7 +509,7 @@ class Agent:
                     writer.write(P.pack(reply))
                     if session.remote and op == "register" and not session.registered:
                         await asyncio.wait_for(writer.drain(), a.frame_timeout_s)
-                        break  # a peer that failed to authenticate gets one try per connection
+                        break  # a peer whose register failed (unauthenticated, wrong geometry) gets one try
                     # Service time: decode, work, encode (the socket and queueing are the client's view).
                     self.latency.labels(op).observe(time.perf_counter() - started)
                 # A client that stops reading its replies is cut off rather than buffered for.
@@ -577,8 +577,7 @@ class Agent:
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         await asyncio.to_thread(self.recover)  # no-op when done already; probes answer meanwhile
-        path = Path(self.config.agent.socket)
-        _usable_dir(path.parent, "agent.socket")
+        path = Path(self.config.agent.socket)  # its directory was made and checked at construction
         _remove_stale_socket(path)
         peer_server = await self._serve_peers()  # first: a client that reaches the socket may ask peers
         try:
