@@ -135,6 +135,9 @@ class AgentConfig:
     # this many times its size after the last compaction, and at least journal_compact_bytes.
     journal_compact_ratio: float = 2.0
     journal_compact_bytes: int = 64 * KiB
+    # ... or once this many records were appended since: a restart decodes those one by one (about 30 us
+    # each), while the compacted part is read in columns, so this bounds the restart at any size.
+    journal_compact_records: int = 65536
     # Check every recovered page's crc32 after a restart: in the background once serving, and on every
     # read of a scope not yet checked (recovery itself reads no page: restart is O(journal records)).
     verify_on_recovery: bool = True
@@ -249,8 +252,8 @@ class EngineConfig:
         _one_of(self.agent.journal_fsync, JOURNAL_FSYNC_POLICIES, "agent.journal_fsync")
         if not 0 <= self.agent.metrics_port <= 65535:
             raise ConfigError(f"agent.metrics_port: {self.agent.metrics_port} is not a TCP port (0 picks a free one)")
-        _positive(self.agent, "journal_fsync_ms", "journal_compact_bytes", "http_max_connections", "max_clients",
-                  "max_clients_per_process", prefix="agent.")  # fmt: skip
+        _positive(self.agent, "journal_fsync_ms", "journal_compact_bytes", "journal_compact_records",
+                  "http_max_connections", "max_clients", "max_clients_per_process", prefix="agent.")  # fmt: skip
         if not self.agent.journal_compact_ratio > 1:
             raise ConfigError(f"agent.journal_compact_ratio: {self.agent.journal_compact_ratio} must be > 1 (growth "
                               "over the compacted size that triggers a compaction; default 2)")  # fmt: skip

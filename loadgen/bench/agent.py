@@ -325,17 +325,20 @@ def _restart_config(root: Path, fill_bytes: int) -> EngineConfig:
     )  # fmt: skip
 
 
-def _fill_then_kill(cfg: EngineConfig, root: Path, fill: Callable[[str], None]) -> float:
-    """Start an agent, run ``fill`` against its socket, then kill -9 the agent (no clean shutdown):
-    the fill's seconds."""
-    agent = spawn(cfg, root)
+def _fill_then_kill(cfg: EngineConfig, root: Path, fill: Callable[[str], None], clean: bool = False) -> float:
+    """Start an agent, run ``fill`` against its socket, then kill -9 the agent (no clean shutdown), or
+    stop it with SIGTERM when ``clean``: the fill's seconds."""
+    agent = spawn(cfg, root, timeout=600)
     try:
         started = time.monotonic()
         fill(cfg.agent.socket)
         return time.monotonic() - started
     finally:
-        agent.kill()
-        agent.wait(30)
+        if clean:
+            agent.send_signal(signal.SIGTERM)
+        else:
+            agent.kill()
+        agent.wait(120)
 
 
 @contextlib.contextmanager
@@ -388,47 +391,81 @@ def restart(fill_bytes: int, root: Path, log: Callable[[str], None]) -> dict[str
             "dropped_pages": rec["dropped_pages"]}  # fmt: skip
 
 
+TURN_PAGES = 4  # pages an agentic turn appends to its session (a 256-token tool call and reply)
+
+
 def restart_at_keys(model: str, keys: int, root: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """Restart with ``keys`` pages stored at ``model``'s geometry with 64-token pages (SGLang's page
-    size), in 64-page scopes: the pages are allocated and published through the agent, as a put does,
-    but not written, in a sparse pool of their real size (recovery reads the journal, not the pages:
-    restart time depends on the keys and their extents, not the bytes). kill -9, start again: seconds
-    from starting the process to the first answered lookup, and the agent's resident memory then."""
+    size). The pages are allocated and published through the agent, as a put does, but not written,
+    in a sparse pool of their real size (recovery reads the journal, not the pages: restart time depends
+    on the keys and their extents, not the bytes).
+
+    The journal is left as a restart finds it at its worst: the state compacted (written as columns),
+    then as many records as the agent appends before it compacts again (``agent.journal_compact_records``
+    - 1), each an agentic turn that appends ``TURN_PAGES`` pages to its session. So: sessions of 64
+    pages, one put each; a clean restart, which compacts the journal; the turns; kill -9; start again.
+    Measured: seconds from starting the process to the first answered lookup of the last turn's page
+    (every page is indexed by then), where recovery spent them, and the agent's resident memory."""
     root.mkdir(parents=True, exist_ok=True)
     preset = dataclasses.replace(PRESETS[model], page_tokens=64)
     span = preset.span_bytes
     file_bytes = 1 << 40
+    base = _restart_config(root, keys * span)
     cfg = dataclasses.replace(
-        _restart_config(root, keys * span),
-        layers=preset.layers, page_bytes=preset.page_layer_bytes,
+        base, layers=preset.layers, page_bytes=preset.page_layer_bytes,
         ssd=SsdConfig(dir=str(root / "pool"), file_bytes=file_bytes, file_count=-(-keys * span // file_bytes) + 1,
                       high_watermark=1.0, low_watermark=1.0),
     )  # fmt: skip
     create_pool(cfg.ssd.dir, cfg.ssd.file_count, cfg.ssd.file_bytes, allocate=False)
     zero_crc = zlib.crc32(bytes(span))  # what the background scan reads back from the unwritten pages
     per_put = 64
-    puts = -(-keys // per_put)
+    turns = min(cfg.agent.journal_compact_records - 1, keys // (2 * TURN_PAGES))
+    bulk = keys - turns * TURN_PAGES
+    puts = -(-bulk // per_put)
 
-    def fill(socket: str) -> None:
+    def sessions(socket: str) -> None:
         conn = AgentConnection(socket)
         conn.call("register")
         for i in range(puts):
-            batch = sglang_keys(f"keys-{i}", 0, min(per_put, keys - i * per_put))
+            batch = sglang_keys(f"keys-{i}", 0, min(per_put, bulk - i * per_put))
             alloc = conn.call("allocate", keys=batch, hints={})
             conn.call("publish", id=alloc["id"], crc=[zero_crc] * len(alloc["index"]))
             if i % 20_000 == 19_999:
                 log(f"  published {(i + 1) * per_put:,} keys")
         conn.close()
 
-    fill_s = _fill_then_kill(cfg, root, fill)
+    fill_s = _fill_then_kill(cfg, root, sessions, clean=True)
+    grown: dict[int, int] = {}  # session -> pages it holds now
+
+    def agentic_turns(socket: str) -> None:
+        conn = AgentConnection(socket)
+        conn.call("register")
+        while conn.call("stats")["journal_compactions"] < 1:  # the restart's compaction: a journal of columns
+            time.sleep(0.05)
+        for t in range(turns):
+            i = (t * 7919) % puts  # sessions in a scattered order, as users come back
+            have = grown.get(i, min(per_put, bulk - i * per_put))
+            batch = sglang_keys(f"keys-{i}", have - 1, 1 + TURN_PAGES)  # the session's last page, then the turn's
+            alloc = conn.call("allocate", keys=batch, hints={})
+            conn.call("publish", id=alloc["id"], crc=[zero_crc] * len(alloc["index"]))
+            grown[i] = have + TURN_PAGES
+            if t % 20_000 == 19_999:
+                log(f"  {t + 1:,} turns of {TURN_PAGES} pages")
+        conn.close()
+
+    fill_s += _fill_then_kill(cfg, root, agentic_turns)
+    last = max(grown, key=lambda i: (grown[i], i)) if grown else puts - 1
+    probe = sglang_keys(f"keys-{last}", grown.get(last, 1) - 1, 1)
     journal_bytes = sum(f.stat().st_size for f in Path(cfg.ssd.dir).glob("journal*"))
-    with _restarted(cfg, root, sglang_keys(f"keys-{puts - 1}", 0, 1)) as (serving, agent, conn):
+    with _restarted(cfg, root, probe) as (serving, agent, conn):
         rss = _rss_bytes(agent.pid)
         rec = conn.call("stats")["recovered"]
     return {"model": model, "page_tokens": preset.page_tokens, "layers": preset.layers,
             "page_layer_bytes": preset.page_layer_bytes, "keys": keys, "pool_bytes": keys * span,
-            "fill_s": fill_s, "journal_bytes": journal_bytes, "restart_to_serving_s": serving,
-            "recovered_pages": rec["pages"], "agent_rss_bytes": rss}  # fmt: skip
+            "turns": turns, "turn_pages": TURN_PAGES, "fill_s": fill_s, "journal_bytes": journal_bytes,
+            "journal_records": rec["records"], "journal_tail_records": rec["records"] - rec["snapshot_records"],
+            "restart_to_serving_s": serving, "collect_s": rec["collect_seconds"], "adopt_s": rec["adopt_seconds"],
+            "index_s": rec["index_seconds"], "recovered_pages": rec["pages"], "agent_rss_bytes": rss}  # fmt: skip
 
 
 def _rss_bytes(pid: int) -> int:
@@ -639,6 +676,10 @@ def format_table(report: dict[str, Any]) -> str:
                      f"pages, {r['pool_bytes'] / (1 << 40):.2f} TiB): serving after {r['restart_to_serving_s']:.2f} s, "
                      f"journal {r['journal_bytes'] / (1 << 20):.0f} MiB, agent RSS "
                      f"{r['agent_rss_bytes'] / (1 << 30):.2f} GiB")  # fmt: skip
+        if "collect_s" in r:  # runs before the journal's columns lack these
+            lines.append(f"  {r['journal_tail_records']:,} records appended since the last compaction ({r['turns']:,} "
+                         f"turns of {r['turn_pages']} pages); recovery: journal {r['collect_s']:.2f} s, scopes "
+                         f"{r['adopt_s']:.2f} s, index {r['index_s']:.2f} s")  # fmt: skip
     if "index" in report:
         i = report["index"]
         heap, shared = i["python_bytes"] / i["keys"], i["shared_table_bytes"] / i["keys"]

@@ -19,11 +19,11 @@ import numpy as np
 import numpy.typing as npt
 
 from flatcake.errors import FencedError, UnknownHandleError, UnknownKeyError
-from flatcake.node_agent.catalog.journal import Journal, publish_record
+from flatcake.node_agent.catalog.journal import Journal, publish_record, snapshot_records
 from flatcake.node_agent.catalog.shared_index import SharedIndexWriter
 from flatcake.node_agent.config import PlacementConfig
 from flatcake.node_agent.policy.gva import Medium
-from flatcake.node_agent.policy.keyindex import U64, Digests, pack
+from flatcake.node_agent.policy.keyindex import U64, pack
 from flatcake.node_agent.policy.placement import Hints, Key, PlacementCounts, decide
 from flatcake.node_agent.policy.scopes import (
     CopyReservation,
@@ -108,7 +108,6 @@ class LocalCatalog:
         self._commit = threading.Lock()
         # Recovered scopes the background scan has not checked yet (catalog/recovery.py ``Scan``).
         self.unverified: set[int] = set()
-        self._adopted: list[Any] = []  # recovered pages' index entries, indexed in bulk (``adopted``)
         table.on_free = self._freed
         self.index = index
         if index is not None:  # the shared-memory table is the index itself: no second copy of entries
@@ -247,18 +246,15 @@ class LocalCatalog:
         freed. False when the digest (from ``pages_of``) no longer names that page."""
         return self.table.drop_page(digest, loc)
 
-    def adopt(
-        self, scope: Scope, d: Digests, gva: U64, stride: npt.NDArray[np.int64], crc: npt.NDArray[np.int64]
-    ) -> None:
-        """Serve a recovered scope's pages again (recovery only): key digests, addresses, layer strides
-        and checksums, in publish order."""
-        self.table.adopt(scope, d, gva, stride, crc, later=self._adopted)
+    def adopt(self, scope: Scope, d: npt.NDArray[np.uint64]) -> None:
+        """Serve a recovered scope again (recovery only), with its pages' key digests in publish order;
+        none is found until ``adopted``."""
+        self.table.adopt(scope, d)
 
-    def adopted(self) -> None:
-        """Recovery is over: index the adopted pages in bulk (until now clients find none of them,
-        a miss, never a wrong page)."""
-        batches, self._adopted = self._adopted, []
-        self.table.index_many(batches)
+    def adopted(self, d: npt.NDArray[np.uint64], scope: Any, gva: U64, stride: Any, crc: Any) -> None:
+        """Recovery is over: index every adopted page at once (until now clients find none of them, a
+        miss, never a wrong page)."""
+        self.table.load_index(d, scope, gva, stride, crc)
 
     def close(self) -> None:
         """The journal, if any, belongs to whoever opened it (the agent)."""
@@ -291,22 +287,11 @@ class LocalCatalog:
         # One index probe per 64K pages, not one per scope: the table lock is held throughout, and per
         # scope the probe's fixed cost dominated (1M pages in 64-page scopes: 1.6 s of 1.9 s).
         t = self.table
-        scopes = [scope for scope in t.scopes.values() if scope.keys]
+        scopes = sorted((scope for scope in t.scopes.values() if scope.keys), key=lambda scope: scope.id)
         if not scopes:
             return []
-        digests = [scope.keys.digests() for scope in scopes]
-        h1 = np.concatenate([d[0] for d in digests])
-        h2 = np.concatenate([d[1] for d in digests])
-        parts = [
-            t.find_digests((h1[at : at + (1 << 16)], h2[at : at + (1 << 16)])) for at in range(0, len(h1), 1 << 16)
-        ]
-        gva = np.concatenate([f.gva for f in parts]).tolist()
-        stride = np.concatenate([f.stride for f in parts]).tolist()
-        crc = np.concatenate([f.crc for f in parts]).tolist()
-        out: list[dict[str, Any]] = []
-        at = 0
-        for scope, d in zip(scopes, digests, strict=True):
-            end = at + len(d[0])
-            out.append(publish_record(scope, d, gva[at:end], stride[at:end], scope.slots, crc[at:end], scope.extents))
-            at = end
-        return out
+        d = np.concatenate([scope.keys.raw() for scope in scopes])
+        step = 1 << 16
+        parts = [t.find_digests((d[at : at + step, 0], d[at : at + step, 1])) for at in range(0, len(d), step)]
+        gva, stride, crc = (np.concatenate([getattr(f, c) for f in parts]) for c in ("gva", "stride", "crc"))
+        return snapshot_records(scopes, d, gva, stride, crc)

@@ -29,7 +29,7 @@ from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.policy.extents import Extent
 from flatcake.node_agent.policy.gva import Medium
-from flatcake.node_agent.policy.keyindex import hash_keys, pack
+from flatcake.node_agent.policy.keyindex import U64, hash_keys, pack
 from flatcake.node_agent.policy.scopes import Location, Scope
 
 log = logging.getLogger(__name__)
@@ -44,12 +44,17 @@ class Recovered:
     dropped_pages: int = 0  # bytes no longer match their checksum
     superseded_pages: int = 0  # their space or key was taken by a later record (a lost ``free``)
     records: int = 0
+    snapshot_records: int = 0  # of those, the compacted state's (in columns); the rest were appended since
     skipped_records: int = 0  # damaged journal records skipped
     torn_bytes: int = 0
     legacy_journal: bool = False  # in the first format: rewritten before anything is appended
     verified_pages: int = 0  # pages whose bytes were checked (at recovery, or by the scan)
     total_pages: int = 0  # pages the journal names, known once it is read
     done: bool = False
+    # Where a restart's time goes: reading the journal, re-creating the scopes, filling the index.
+    collect_seconds: float = 0.0
+    adopt_seconds: float = 0.0
+    index_seconds: float = 0.0
     scan_pages: int = 0  # pages the background scan checks (those recovered)
     scan_bytes: int = 0
     scan_seconds: float = 0.0
@@ -58,16 +63,72 @@ class Recovered:
 
 @dataclass
 class _Found:
-    """One scope as the journal describes it, its pages in columns (one entry per publish record)."""
+    """One scope as the journal describes it: its pages as spans of the journal's page columns."""
 
-    medium: int
-    blobs: list[bytes] = field(default_factory=list)  # key digests, 16 bytes each
+    medium: Medium
     spans: list[tuple[int, int]] = field(default_factory=list)  # (first page, pages) in the journal's order
-    gva: list[int] = field(default_factory=list)
-    stride: list[int] = field(default_factory=list)
-    crc: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     ext: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def positions(self) -> npt.NDArray[np.int64]:
+        if len(self.spans) == 1:
+            first, n = self.spans[0]
+            return np.arange(first, first + n)
+        return np.concatenate([np.arange(first, first + n) for first, n in self.spans])
+
+
+# One scope's share of a record: id, medium, pages, the extents it claims, its DRAM slots.
+_Entry = tuple[int, Medium, int, list[Extent], list[int]]
+
+
+@dataclass
+class _Journaled:
+    """What ``collect`` read: the live scopes, what each record claimed, and every published page in
+    the journal's order, in columns (a scope's pages are spans of them)."""
+
+    scopes: dict[int, _Found] = field(default_factory=dict)
+    claims: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # SSD: file, start, end, record, scope
+    slot_claims: dict[int, int] = field(default_factory=dict)  # DRAM slot -> scope that claimed it last
+    pages: int = 0
+    parts: list[tuple[bytes, Any, Any, Any, Any]] = field(default_factory=list)  # kd, gva, stride, crc, owner
+
+    def add(self, seq: int, cols: tuple[bytes, Any, Any, Any], entries: list[_Entry]) -> None:
+        at = self.pages
+        owners = []
+        for sid, medium, n, extents, slots in entries:
+            s = self.scopes.get(sid)
+            if s is None:
+                s = self.scopes[sid] = _Found(medium)
+            for e in extents:  # an extent grows in place: keep its longest journaled length
+                key = (e.file, e.offset)
+                s.ext[key] = max(s.ext.get(key, 0), e.length)
+                self.claims.append((e.file, e.offset, e.end, seq, sid))
+            s.spans.append((at, n))
+            if slots:
+                s.slots.extend(slots)
+                self.slot_claims.update(dict.fromkeys(slots, sid))
+            owners.append((sid, n))
+            at += n
+        owner = np.repeat(np.fromiter((o for o, _ in owners), np.int64, len(owners)),
+                          np.fromiter((n for _, n in owners), np.int64, len(owners)))  # fmt: skip
+        self.parts.append((*cols, owner))
+        self.pages = at
+
+    def columns(self) -> tuple[npt.NDArray[np.uint64], U64, npt.NDArray[np.int64], npt.NDArray[np.int64],
+                               npt.NDArray[np.int64]]:  # fmt: skip
+        """Digests ``(pages, 2)``, addresses, layer strides, crc32s and owning scopes of every page."""
+        parts, self.parts = self.parts, []
+        if not parts:
+            e = np.zeros(0, np.int64)
+            return np.zeros((0, 2), np.uint64), e.astype(np.uint64), e, e, e
+        kd, gva, stride, crc, owner = zip(*parts, strict=True)
+        buf, at = bytearray(sum(map(len, kd))), 0  # writable: scopes keep views of it as their page lists
+        for blob in kd:
+            buf[at : at + len(blob)] = blob
+            at += len(blob)
+        d = np.frombuffer(buf, "<u8").reshape(-1, 2)
+        return (d, np.concatenate(gva).astype(np.uint64), np.concatenate(stride).astype(np.int64),
+                np.concatenate(crc).astype(np.int64), np.concatenate(owner))  # fmt: skip
 
 
 def recover(
@@ -76,147 +137,192 @@ def recover(
     read_page: Callable[[Location], int] | None,
     out: Recovered | None = None,
 ) -> Recovered:
-    """Rebuild the catalog from the journal. With ``read_page`` (returns a stored page's crc32), pages
-    whose bytes no longer match are dropped instead of served.
+    """Rebuild the catalog from the journal (``collect``, then ``adopt``). With ``read_page`` (returns a
+    stored page's crc32), pages whose bytes no longer match are dropped instead of served.
 
-    A damaged record is skipped (``replay``), so a ``free`` may be missing: the freed scope would then
-    come back over space that a later scope was given. Each byte of SSD space and each DRAM slot
-    therefore belongs to the scope that claimed it last in the journal, and a scope that lost any of
-    its space to a later one is dropped whole; likewise a key belongs to the scope that published it
-    last (within one scope, its first page of that key). Surviving scopes get back exactly the extents
-    the journal records, so a restart rebuilds the same allocation.
-
-    Pages are handled in columns, per record and per scope, not one Python object per page: restart
-    time is what a node with 10M pages waits for (bench agent's ``restart_keys``)."""
+    Restart time is what a node with 10M pages waits for (bench agent's ``restart_keys``): pages are
+    handled in columns, never one Python object per page; compaction writes the live state as columns
+    too (``snap`` records, journal.py ``snapshot_records``), so only the records appended since the last
+    compaction are decoded one by one; the index is filled in one pass at the end."""
     out = out if out is not None else Recovered()
+    started = time.monotonic()
+    found = collect(journal_path, catalog.table.ssd.file_bytes, out)
+    out.collect_seconds = time.monotonic() - started
+    adopt(catalog, found, read_page, out, str(journal_path))
+    out.done = True
+    return out
+
+
+def collect(journal_path: str | os.PathLike[str], file_bytes: int, out: Recovered) -> _Journaled:
+    """Read the journal: the scopes it leaves live (a ``free`` ends a scope), what each record claimed,
+    and every published page in columns. A record that is checksummed but not one this agent wrote is
+    skipped and counted, as a damaged one is."""
     report = ReplayReport()
-    table = catalog.table
-    scopes: dict[int, _Found] = {}
-    claims: list[tuple[int, int, int, int, int]] = []  # SSD: (file, start, end, record number, scope)
-    slot_claims: dict[int, int] = {}  # DRAM slot -> scope that claimed it last
-    blobs: list[bytes] = []  # every published page's digest, in the journal's order ...
-    owners: list[int] = []  # ... and its record's scope, per record
-    counts: list[int] = []
-    pages = 0
+    found = _Journaled()
     for seq, rec in enumerate(replay(journal_path, report)):
         out.records += 1
         try:
-            if rec["t"] == "free":
-                scopes.pop(rec["scope"], None)
+            kind = rec["t"]
+            if kind == "free":
+                found.scopes.pop(rec["scope"], None)
                 continue
-            sid, medium = rec["scope"], rec["medium"]
-            ranges = _extents(rec, table.ssd.file_bytes)
-            blob = _digest_blob(rec)
-            n = len(blob) // 16
-            gva, stride, crc, slots = rec["gva"], rec["stride"], rec["crc"], rec["slots"]
-            if not len(gva) == len(stride) == len(crc) == n:
-                raise ValueError("keys, gva, stride and crc differ in length")
-        except (KeyError, TypeError, ValueError) as exc:  # checksummed but not a record this agent wrote
+            if kind == "snap":
+                cols, entries = _snap(rec)
+                out.snapshot_records += 1
+            else:
+                cols, entries = _pub(rec, file_bytes)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             report.skipped_records += 1
             log.error("%s: skipping a malformed record (%s)", journal_path, exc)
             continue
-        s = scopes.get(sid)
-        if s is None:
-            s = scopes[sid] = _Found(medium)
-        for e in ranges:  # an extent grows in place: keep its longest journaled length
-            at = (e.file, e.offset)
-            s.ext[at] = max(s.ext.get(at, 0), e.length)
-            claims.append((e.file, e.offset, e.end, seq, sid))
-        s.blobs.append(blob)
-        s.spans.append((pages, n))
-        s.gva.extend(gva)
-        s.stride.extend(stride)
-        s.crc.extend(crc)
-        s.slots.extend(slots)
-        slot_claims.update(dict.fromkeys(slots, sid))
-        blobs.append(blob)
-        owners.append(sid)
-        counts.append(n)
-        pages += n
-    lost = _lost_space(claims, scopes)
+        found.add(seq, cols, entries)
     out.skipped_records, out.torn_bytes = report.skipped_records, report.torn_bytes
     out.legacy_journal = report.legacy
-    out.total_pages = sum(len(s.gva) for s in scopes.values())
-    contested, marked = _contested(b"".join(blobs), np.repeat(np.asarray(owners, np.int64), counts))
-    del blobs, owners, counts
-    for sid, s in sorted(scopes.items()):
-        if sid in lost or any(slot_claims.get(x) != sid for x in s.slots):
-            out.superseded_pages += len(s.gva)
+    out.total_pages = sum(n for s in found.scopes.values() for _, n in s.spans)
+    return found
+
+
+def adopt(
+    catalog: LocalCatalog, found: _Journaled, read_page: Callable[[Location], int] | None, out: Recovered, where: str
+) -> None:
+    """Serve what ``collect`` found again. The journal may have lost a record (skipped as damaged), so a
+    ``free`` may be missing and the freed scope come back over space a later scope was given: each byte
+    of SSD space and each DRAM slot belongs to the scope that claimed it last in the journal, and a scope
+    that lost any of its space is dropped whole; likewise a key belongs to the scope that published it
+    last (within one scope, its first page of that key). Surviving scopes get back exactly the extents
+    the journal records, so a restart rebuilds the same allocation."""
+    started = time.monotonic()
+    lost = _lost_space(found.claims, found.scopes)
+    d, gva, stride, crc, owner = found.columns()
+    owned = _owned(d, owner)
+    every = read_page is None and bool(owned.all())  # the common case: each scope keeps all its pages
+    served = np.zeros(len(d), bool)  # the journal positions of the pages served again
+    for sid, s in sorted(found.scopes.items()):
+        if sid in lost or (s.slots and any(found.slot_claims.get(x) != sid for x in s.slots)):
+            out.superseded_pages += sum(n for _, n in s.spans)
             continue
-        blob = b"".join(s.blobs)
-        keep = _owned(sid, blob, s.spans, contested, marked)
-        out.superseded_pages += len(keep) - int(np.count_nonzero(keep))
-        if read_page is not None:
-            for i in np.flatnonzero(keep).tolist():
-                out.verified_pages += 1
-                if read_page(Location(sid, s.gva[i], s.stride[i])) != s.crc[i]:
-                    keep[i] = False
-                    out.dropped_pages += 1
-        kept = int(np.count_nonzero(keep))
-        if not kept:
-            continue  # nothing left to serve: its space stays free
-        d = np.frombuffer(blob, dtype="<u8").reshape(-1, 2)[keep]
-        extents = [Extent(f, o, n) for (f, o), n in s.ext.items()]
-        scope = Scope(sid, Medium(s.medium), 0, extents=extents, slots=s.slots)
+        if every and len(s.spans) == 1:  # one run of the columns: a view, no index arrays
+            first, n = s.spans[0]
+            rows: Any = slice(first, first + n)
+        else:
+            rows = _kept(sid, s, owned, gva, stride, crc, read_page, out)
+            n = len(rows)
+            if not n:
+                continue  # nothing left to serve: its space stays free
+        scope = Scope(sid, s.medium, 0, extents=[Extent(f, o, e) for (f, o), e in s.ext.items()], slots=s.slots)
         try:
-            catalog.adopt(scope, (d[:, 0], d[:, 1]), np.asarray(s.gva, np.uint64)[keep],
-                          np.asarray(s.stride, np.int64)[keep], np.asarray(s.crc, np.int64)[keep])  # fmt: skip
+            catalog.adopt(scope, d[rows])
         except ValueError as exc:  # space outside the pool or taken twice: never serve it
-            log.error("%s: dropping scope %d: %s", journal_path, sid, exc)
-            out.superseded_pages += kept
+            log.error("%s: dropping scope %d: %s", where, sid, exc)
+            out.superseded_pages += n
             continue
+        served[rows] = True
         out.scopes += 1
-        out.pages += kept
-    catalog.adopted()  # the shared index, in bulk
+        out.pages += n
+    cols = (d, owner, gva, stride, crc)
+    if not served.all():  # pages of freed or dropped scopes: left out (a copy of the columns)
+        cols = tuple(c[served] for c in cols)  # type: ignore[assignment]
+    indexing = time.monotonic()
+    out.adopt_seconds = indexing - started
+    catalog.adopted(*cols)  # the index, in one pass
+    out.index_seconds = time.monotonic() - indexing
     if out.dropped_pages:
         log.warning("recovery dropped %d pages whose bytes no longer match their checksum", out.dropped_pages)
     if out.superseded_pages:
         log.warning("recovery dropped %d pages whose space or key a later record took (a damaged record "
                     "hid their release)", out.superseded_pages)  # fmt: skip
-    out.done = True
-    return out
 
 
-def _contested(
-    blob: bytes, scope_of: npt.NDArray[np.int64]
-) -> tuple[dict[bytes, tuple[int, int]], npt.NDArray[np.bool_]]:
-    """Digests published more than once, each with the scope that published it last and the journal
-    position of that scope's first page of it, and which journal positions hold one: the only pages
-    whose owner is not their own record's scope. Found by sorting the digests' first words (rare: a
-    key published again, or freed and published again)."""
-    d = np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
+def _kept(
+    sid: int,
+    s: _Found,
+    owned: npt.NDArray[np.bool_],
+    gva: U64,
+    stride: npt.NDArray[np.int64],
+    crc: npt.NDArray[np.int64],
+    read_page: Callable[[Location], int] | None,
+    out: Recovered,
+) -> npt.NDArray[np.int64]:
+    """The journal positions of the pages scope ``sid`` still serves: those it owns (``_owned``) and,
+    with ``read_page``, whose bytes still match their checksum; the rest are counted."""
+    at = s.positions()
+    keep = owned[at]
+    out.superseded_pages += len(keep) - int(np.count_nonzero(keep))
+    if read_page is not None:
+        for i in np.flatnonzero(keep).tolist():
+            out.verified_pages += 1
+            if read_page(Location(sid, int(gva[at[i]]), int(stride[at[i]]))) != crc[at[i]]:
+                keep[i] = False
+                out.dropped_pages += 1
+    return at[keep]
+
+
+def _pub(rec: dict[str, Any], file_bytes: int) -> tuple[tuple[bytes, Any, Any, Any], list[_Entry]]:
+    """A publish record (one scope's new pages) as columns and its scope's entry."""
+    sid, medium = int(rec["scope"]), Medium(rec["medium"])
+    extents = _extents(rec, file_bytes)
+    blob = _digest_blob(rec)
+    n = len(blob) // 16
+    gva, stride, crc, slots = rec["gva"], rec["stride"], rec["crc"], rec["slots"]
+    if not len(gva) == len(stride) == len(crc) == n:
+        raise ValueError("keys, gva, stride and crc differ in length")
+    cols = (blob, np.asarray(gva, np.uint64), np.asarray(stride, np.int64), np.asarray(crc, np.int64))
+    return cols, [(sid, medium, n, extents, [int(x) for x in slots])]
+
+
+def _snap(rec: dict[str, Any]) -> tuple[tuple[bytes, Any, Any, Any], list[_Entry]]:
+    """A snapshot record (whole scopes, in columns: journal.py ``snapshot_records``), checked for
+    consistent lengths before any of it is used."""
+
+    def col(name: str, dtype: str, width: int = 1) -> npt.NDArray[Any]:
+        raw = rec[name]
+        if not isinstance(raw, bytes) or len(raw) % (np.dtype(dtype).itemsize * width):
+            raise ValueError(f"{name}: not a whole number of {dtype} x {width}")
+        return np.frombuffer(raw, dtype)
+
+    sids, media, counts = col("scopes", "<u8"), col("media", "u1"), col("counts", "<u4")
+    ext_counts, slot_counts = col("ext_counts", "<u4"), col("slot_counts", "<u4")
+    exts, slots = col("exts", "<u8", 3).reshape(-1, 3), col("slot_list", "<u4")
+    kd, gva, stride, crc = col("kd", "<u8", 2), col("gvas", "<u8"), col("strides", "<u4"), col("crcs", "<u4")
+    n = len(gva)
+    if not len(media) == len(counts) == len(ext_counts) == len(slot_counts) == len(sids):
+        raise ValueError("per-scope columns differ in length")
+    if int(counts.sum()) != n or len(kd) != 2 * n or len(stride) != n or len(crc) != n:
+        raise ValueError("pages: counts, digests, gva, stride and crc differ")
+    if int(ext_counts.sum()) != len(exts) or int(slot_counts.sum()) != len(slots):
+        raise ValueError("extents or slots: counts differ from the lists")
+    ext_list = [Extent(f, o, length) for f, o, length in exts.tolist()]
+    slot_list = slots.tolist()
+    entries: list[_Entry] = []
+    e = x = 0
+    for sid, m, c, ne, ns in zip(sids.tolist(), media.tolist(), counts.tolist(), ext_counts.tolist(),
+                                 slot_counts.tolist(), strict=True):  # fmt: skip
+        entries.append((sid, Medium(m), c, ext_list[e : e + ne], slot_list[x : x + ns]))
+        e, x = e + ne, x + ns
+    return (rec["kd"], gva, stride, crc), entries
+
+
+def _owned(d: npt.NDArray[np.uint64], owner: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+    """Which journal positions hold a page their scope still owns: all but those of a digest published
+    more than once whose last publisher is another scope, or which that scope published earlier. Found
+    by sorting the digests' first words: repeats are rare (a key published again, or freed and
+    published again), so only those few are looked at one by one."""
+    owned = np.ones(len(d), bool)
     h1 = np.sort(d[:, 0])
     repeated = h1[1:][h1[1:] == h1[:-1]]
     if not repeated.size:
-        return {}, np.zeros(len(d), bool)
-    marked = np.isin(d[:, 0], repeated)
+        return owned
+    marked = np.flatnonzero(np.isin(d[:, 0], repeated)).tolist()
     last: dict[bytes, int] = {}
     first: dict[tuple[bytes, int], int] = {}
-    for i in np.flatnonzero(marked).tolist():
-        key, sid = blob[16 * i : 16 * i + 16], int(scope_of[i])
+    for i in marked:
+        key, sid = d[i].tobytes(), int(owner[i])
         last[key] = sid
         first.setdefault((key, sid), i)
-    return {key: (sid, first[key, sid]) for key, sid in last.items()}, marked
-
-
-def _owned(
-    sid: int,
-    blob: bytes,
-    spans: list[tuple[int, int]],
-    contested: dict[bytes, tuple[int, int]],
-    marked: npt.NDArray[np.bool_],
-) -> npt.NDArray[np.bool_]:
-    """Which of a scope's pages (in its records' order) it still owns: all but those of a contested
-    digest that another scope published later, or that this scope published earlier. Only the marked
-    journal positions are looked at, so a scope with none costs one check per record."""
-    keep = np.ones(len(blob) // 16, bool)
-    at = 0
-    for first, n in spans:
-        for j in np.flatnonzero(marked[first : first + n]).tolist():
-            if contested[blob[16 * (at + j) : 16 * (at + j) + 16]] != (sid, first + j):
-                keep[at + j] = False
-        at += n
-    return keep
+    for i in marked:
+        key, sid = d[i].tobytes(), int(owner[i])
+        owned[i] = last[key] == sid and first[key, sid] == i
+    return owned
 
 
 def _digest_blob(rec: dict[str, Any]) -> bytes:

@@ -709,49 +709,34 @@ class ScopeTable:
             self._free_scope(scope, count=False)
             return True
 
-    def adopt(
-        self,
-        scope: Scope,
-        d: Digests,
-        gva: U64,
-        stride: npt.NDArray[np.int64],
-        crc: npt.NDArray[np.int64],
-        later: list[Any] | None = None,
-    ) -> None:
-        """Re-create a scope found in the journal at start-up (its space must be free), with its pages
-        (key digests, addresses, layer strides, checksums) in publish order. With ``later``, their index
-        entries are appended there for one bulk ``index_many`` instead of indexed now."""
+    def adopt(self, scope: Scope, d: npt.NDArray[np.uint64]) -> None:
+        """Re-create a scope found in the journal at start-up (its space must be free), with its pages'
+        key digests (``(pages, 2)``) in publish order; raises ValueError, with nothing taken, when its
+        space is outside the pool or not free. Its pages are found once ``load_index`` has indexed every
+        adopted scope's, in one pass."""
         with self.lock:
-            ordered = sorted(scope.extents)
-            clash = [e for e in ordered if not self.ssd.is_free(e)]
-            clash += [b for a, b in itertools.pairwise(ordered) if a.file == b.file and b.offset < a.end]
-            if clash:
-                raise ValueError(f"scope {scope.id}: extents {[tuple(e) for e in clash[:3]]} overlap allocated space")
-            for ext in scope.extents:
-                self.ssd.take(ext)
-            if scope.slots:
-                self.dram.take(scope.slots)
+            taken: list[Extent] = []
+            try:
+                for ext in scope.extents:  # an extent overlapping another (or itself) finds it taken
+                    self.ssd.take(ext)
+                    taken.append(ext)
+                if scope.slots:
+                    self.dram.take(scope.slots)
+            except ValueError as exc:
+                for ext in taken:
+                    self.ssd.release(ext)
+                raise ValueError(f"scope {scope.id}: {exc}") from None
             self.scopes[scope.id] = scope
-            cols = (d[0], d[1], np.full(len(gva), scope.id, np.int64), gva, stride, crc)
-            if later is None:
-                self.index_many([cols])
-            else:
-                later.append(cols)
-            scope.keys = Pages()
-            scope.keys.extend(d)
+            scope.keys = Pages.of(d)
             scope.last_used = next(self._clock)
-            self._ids = itertools.count(max(next(self._ids), scope.id + 1))
 
-    def index_many(self, batches: Sequence[tuple[Any, ...]]) -> None:
-        """Index the entries ``adopt`` put aside: one numpy pass per 64K, not one call per scope (at
-        restart, per scope cost more than the rest of recovery: 300K keys, 1.5 s against 0.24 s)."""
-        if not batches:
-            return
-        h1, h2, scope, gva, stride, crc = (np.concatenate(c) for c in zip(*batches, strict=True))
+    def load_index(self, d: npt.NDArray[np.uint64], scope: Any, gva: U64, stride: Any, crc: Any) -> None:
+        """Index the adopted pages (digests ``(pages, 2)`` and their columns) into the empty index, in one
+        sorted pass (keyindex ``load``): per 64K-entry ``put`` it was the largest part of a restart."""
         with self.lock:
-            for at in range(0, len(h1), 1 << 16):
-                cut = slice(at, at + (1 << 16))
-                self.index.put((h1[cut], h2[cut]), scope[cut], gva[cut], stride[cut], crc[cut])
+            self.index.load((d[:, 0], d[:, 1]), scope, gva, stride, crc)
+            if self.scopes:  # new scopes are numbered past every adopted one
+                self._ids = itertools.count(max(next(self._ids), max(self.scopes) + 1))
 
     def _adapt(self, decision: Decision, parent: Scope | None, digests: Digests) -> tuple[Decision, int | None]:
         """Adaptive placement: Table 2's ``decision`` corrected by the session's reuse distance. That is

@@ -87,7 +87,7 @@ def _wsgi_app(agent: Agent) -> Any:
             start_response("200 OK", [("Content-Type", "text/plain")])
             return [b"ok\n"]
         if path == "/readyz":
-            status = "200 OK" if agent.ready else "503 Service Unavailable"
+            status = "200 OK" if agent.ready and not agent.fenced() else "503 Service Unavailable"
             start_response(status, [("Content-Type", "text/plain")])
             return [_readiness(agent).encode()]
         start_response("404 Not Found", [("Content-Type", "text/plain")])
@@ -98,6 +98,10 @@ def _wsgi_app(agent: Agent) -> Any:
 
 def _readiness(agent: Agent) -> str:
     r = agent.recovered
+    now = agent.fenced()
+    if now:
+        return (f"fenced: the pool's epoch is {now}, this agent's {agent.epoch}: another agent has taken the pool, "
+                "this one's leases and allocations are refused; stop it\n")  # fmt: skip
     if agent.ready:
         if r.scan_done:
             return "ready\n"
@@ -119,7 +123,7 @@ class AgentCollector(Collector):
         a = self.agent
         usage = a.catalog.table.usage()
         allocs, leases = a.catalog.handles()
-        yield M.family("flatcake_agent_ready", [((), float(a.ready))])
+        yield M.family("flatcake_agent_ready", [((), float(a.ready and not a.fenced()))])
         yield M.family("flatcake_agent_clients", [((), float(len(a.sessions)))])
         yield M.family("flatcake_agent_open_handles", [(("allocation",), allocs), (("lease",), leases)])
         yield M.family("flatcake_recovered_pages", [((), a.recovered.pages)])

@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 from flatcake import metrics as M
 from flatcake.errors import ConfigError, FlatCakeError, UnknownHandleError
 from flatcake.node_agent.catalog.epoch import advance as advance_epoch
+from flatcake.node_agent.catalog.epoch import current as current_epoch
 from flatcake.node_agent.catalog.files import resolve_gid, share_path
 from flatcake.node_agent.catalog.journal import Journal
 from flatcake.node_agent.catalog.local import LocalCatalog
@@ -154,6 +155,14 @@ class Agent:
             log.error("shared index %s: cannot create it (%s); clients look keys up over the socket", path, exc)
             return None
 
+    def fenced(self) -> int:
+        """The pool's epoch when another agent has advanced it past this one's (0: not fenced). The pool
+        lock keeps a second agent out, so only a process that ignores it (or a restored backup of the
+        pool's files) gets here; this agent's allocations and leases are refused from then on, and
+        /readyz says so."""
+        now = current_epoch(self.config.ssd.dir)
+        return now if now != self.epoch else 0
+
     def recover(self) -> Recovered:
         """Rebuild the catalog from the journal and start journaling (once); compaction follows online."""
         if self.journal is not None:
@@ -169,14 +178,15 @@ class Agent:
         else:
             self.recovered.scan_done = True
         journal = Journal(journal_path, c.agent.journal_fsync, c.agent.journal_fsync_ms, gid=self.gid,
-                          compact_min_bytes=c.agent.journal_compact_bytes,
-                          compact_ratio=c.agent.journal_compact_ratio)  # fmt: skip
+                          compact_min_bytes=c.agent.journal_compact_bytes, compact_ratio=c.agent.journal_compact_ratio,
+                          compact_records=c.agent.journal_compact_records,
+                          records=(self.recovered.records, self.recovered.snapshot_records))  # fmt: skip
         r = self.recovered
-        # Records beyond one per live scope (appends since the last compaction, frees, damage): compact
+        # Records beyond the compacted state (appends since the last compaction, frees, damage): compact
         # to the live state, online, after serving starts (its cost grows with the keys: 10M keys
         # would hold start-up for seconds). A journal of the first format is rewritten before the
         # first append, which must not follow a record of the old format.
-        compact_now = not r.legacy_journal and (r.records > r.scopes or r.skipped_records > 0)
+        compact_now = not r.legacy_journal and (r.records > r.snapshot_records or r.skipped_records > 0)
         if r.legacy_journal:
             try:
                 journal.rewrite(self.catalog.snapshot_records())

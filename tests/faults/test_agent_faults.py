@@ -642,6 +642,26 @@ def test_a_second_agent_on_a_serving_pool_is_refused_and_the_first_keeps_serving
         first.wait(30)
 
 
+def test_an_agent_whose_pool_was_taken_says_so_on_readyz_and_serves_nothing(tmp_path: Path) -> None:
+    """A process that ignores the pool lock advances the epoch under a serving agent: /readyz turns 503
+    naming both epochs (it said ready while refusing every lease), the ready gauge drops to 0, and a
+    restore is refused before anything is read."""
+    config = small_config(tmp_path / "node", files=4)
+    a = AgentThread(config)
+    try:
+        with connect(a.socket) as e:
+            put(e, ["p-0"], SSD)
+            assert http_get(a.port, "/readyz")[0] == 200
+            taken = E.advance(config.ssd.dir)
+            status, text = http_get(a.port, "/readyz")
+            assert status == 503 and text.startswith(f"fenced: the pool's epoch is {taken}, this agent's {taken - 1}")
+            assert "flatcake_agent_ready 0.0" in http_get(a.port, "/metrics")[1]
+            with pytest.raises(FencedError, match="the agent is now in epoch"):
+                e.get(["p-0"], np.zeros((4, 1, 4096), np.uint8))
+    finally:
+        a.stop()
+
+
 def test_os_errors_name_the_field_the_address_and_the_fix(tmp_path: Path) -> None:
     """What the agent cannot listen on or create is a ConfigError naming the setting, not a bare errno
     (issue 45); a socket directory it cannot create is refused before the pool is touched."""

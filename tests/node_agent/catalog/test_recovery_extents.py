@@ -42,15 +42,22 @@ def allocation(c: LocalCatalog) -> tuple[dict[int, list[Extent]], list[Extent], 
 
 @pytest.mark.unit
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(0, 1 << 20), st.integers(1, 5), st.booleans()), max_size=40))
-def test_a_restart_rebuilds_identical_extents(steps: list[tuple[bool, int, int, bool]]) -> None:
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(0, 1 << 20), st.integers(1, 5), st.booleans()), max_size=40),
+    st.integers(-1, 40),
+)
+def test_a_restart_rebuilds_identical_extents(steps: list[tuple[bool, int, int, bool]], compact_at: int) -> None:
+    """Also across an online compaction at step ``compact_at`` (-1: none): a snapshot in columns, then a
+    tail of publishes and frees, some of scopes the snapshot holds."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "journal.log"
         j = Journal(path, "never")
         c = catalog(j)
         names = iter(range(1 << 30))
         published: list[str] = []
-        for append, pick, n, abort in steps:
+        for step, (append, pick, n, abort) in enumerate(steps):
+            if step == compact_at:
+                assert c.compact_journal(force=True)
             live = [k for k, loc in zip(published, c.table.lookup_many(published), strict=True) if loc is not None]
             parent = live[pick % len(live)] if append and live else None
             keys = [f"k{next(names)}" for _ in range(n)]
@@ -103,10 +110,19 @@ def test_records_of_whole_files_are_still_read(tmp_path: Path) -> None:
     assert c.table.ssd.free_bytes == 24 * SPAN - 12 * SPAN
     nxt = c.allocate(["new"], SSD_HINTS)  # the space after a cursor is free for anyone now
     assert nxt is not None and (nxt.segments[0].file, nxt.segments[0].offset) == (1, 2 * SPAN)
-    j = Journal(tmp_path / "j2.log", "never")  # compaction rewrites them as extents
+    j = Journal(tmp_path / "j2.log", "never")  # compaction rewrites them as extents, in snapshot columns
     j.rewrite(c.snapshot_records())
     j.close()
-    assert all("ext" in rec and "files" not in rec for rec in replay(tmp_path / "j2.log"))
+    (snap,) = replay(tmp_path / "j2.log")
+    assert snap["t"] == "snap" and "files" not in snap
+    assert np.frombuffer(snap["exts"], "<u8").reshape(-1, 3).tolist() == [
+        [0, 0, 8 * SPAN],
+        [2, 0, 2 * SPAN],
+        [1, 0, 2 * SPAN],
+    ]
+    again = catalog(None)
+    assert recover(again, tmp_path / "j2.log", None).pages == 6
+    assert {s.id: s.extents for s in again.table.scopes.values()} == scopes
 
 
 @pytest.mark.unit

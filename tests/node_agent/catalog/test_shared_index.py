@@ -254,11 +254,14 @@ def test_recovery_fills_the_index_in_bulk_once_it_has_adopted_every_scope(tmp_pa
                        high_watermark=1.0, low_watermark=1.0)  # fmt: skip
     writer = S.SharedIndexWriter(tmp_path / "idx", 8192)
     c = LocalCatalog(again, PlacementConfig(), index=writer)
-    calls: list[int] = []
-    put = writer.put
-    writer.put = lambda d, *cols: (calls.append(len(d[0])), put(d, *cols))[1]  # type: ignore[method-assign]
+    calls: list[tuple[str, int]] = []
+    put, load = writer.put, writer.load
+    writer.put = lambda d, *cols: (calls.append(("put", len(d[0]))), put(d, *cols))[1]  # type: ignore[method-assign]
+    writer.load = lambda d, *cols: (calls.append(("load", len(d[0]))), load(d, *cols))[1]  # type: ignore[method-assign]
     assert recover(c, tmp_path / "j.log", None).pages == 3200
-    assert calls == [3200]  # one insert for all 200 scopes, not one each
+    assert calls == [("load", 3200)]  # one pass for all 200 scopes, not an insert each
+    with pytest.raises(ValueError, match="not empty"):  # a load never mixes with entries already there
+        writer.load((np.full(1, 7, np.uint64), np.zeros(1, np.uint64)), [1], [0], [0], [0])
     reader = S.SharedIndexReader(tmp_path / "idx")
     flat = [k for ks in keys for k in ks]
     found = reader.find(flat)
