@@ -385,6 +385,8 @@ def _address(flag: str, value: str) -> str:
 def _operator(args: argparse.Namespace) -> int:
     if args.action == "render":
         return _operator_render(args)
+    if args.action == "check":
+        return _operator_check(args)
     from flatcake.operator import handlers
 
     try:
@@ -400,16 +402,30 @@ def _operator_render(args: argparse.Namespace) -> int:
 
     from flatcake.operator import preview
 
-    if not args.file:
-        raise ConfigError("operator render: give the FlatCakeCache's YAML file (flatcake operator render CACHE.yaml)")
+    if len(args.file) != 1:
+        raise ConfigError("operator render: give one FlatCakeCache's YAML file (flatcake operator render CACHE.yaml)")
     try:
-        body = yaml.safe_load(Path(args.file).read_text())
+        body = yaml.safe_load(Path(args.file[0]).read_text())
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{args.file}: cannot read a FlatCakeCache from it ({exc})") from None
+        raise ConfigError(f"{args.file[0]}: cannot read a FlatCakeCache from it ({exc})") from None
     namespace = args.namespace[0] if args.namespace else "default"  # as kubectl apply -n gives it
     objects = preview.objects(body, preview.load_crd_schema(args.crd), args.agent_cluster_role, namespace)
-    print(yaml.safe_dump_all(objects, sort_keys=False), end="")
+    print(preview.dump(objects), end="")
     return 0
+
+
+def _operator_check(args: argparse.Namespace) -> int:
+    from flatcake.operator import check
+
+    if not args.file:
+        raise ConfigError("operator check: give the manifests to check (files, or - for standard input)")
+    report = check.check(check.read(args.file, sys.stdin))
+    for line in report.notes:
+        print(f"note: {line}", file=sys.stderr)
+    for line in report.problems:
+        print(line)
+    print(f"{report.checked} objects checked, {len(report.problems)} problems", file=sys.stderr)
+    return 1 if report.problems else 0
 
 
 def _add_bench(sub: Subparsers) -> None:
@@ -783,6 +799,10 @@ def _geometry(args: argparse.Namespace) -> int:
     print(f"{g.model_type}: {g.attention.upper()}, {g.layers} layers, {g.bytes_per_token_layer} B per token and "
           f"layer ({share}); a {g.page_tokens}-token page is {g.raw_page_bytes} B per layer, "
           f"{g.page_bytes} B aligned")  # fmt: skip
+    if g.copies > 1:
+        heads = args.tp // g.copies
+        print(f"  {args.tp} ranks over {heads} KV heads: each head's pages are stored by each of the {g.copies} "
+              f"ranks holding it (keys carry the rank): size the cache for {g.copies}x the bytes")  # fmt: skip
     if g.sidecars:
         print(f"  the KV pool holds {g.layers} of {g.total_layers} layers; beside it (SGLang's v2 storage interface):")
     for s in g.sidecars:
@@ -813,9 +833,10 @@ def _add_geometry(sub: Subparsers) -> None:
 def _add_operator(sub: Subparsers) -> None:
     """``flatcake operator``: the kopf operator."""
     op = sub.add_parser("operator", help="the kopf operator: reconciles FlatCakeCache resources into node agents")
-    op.add_argument("action", nargs="?", choices=("run", "render"), default="run",
-                    help="run (default), or render what the operator would apply for FILE, offline")  # fmt: skip
-    op.add_argument("file", nargs="?", help="render: the FlatCakeCache's YAML")
+    op.add_argument("action", nargs="?", choices=("run", "render", "check"), default="run",
+                    help="run (default); render what the operator would apply for FILE, offline; or check "
+                    "manifests (FILE..., - for standard input) offline as the API server would")  # fmt: skip
+    op.add_argument("file", nargs="*", help="render: the FlatCakeCache's YAML; check: the manifests")
     op.add_argument("--crd", help="render: the CRD's YAML (default: this checkout's crds/flatcakecaches.yaml)")
     op.add_argument("--agent-cluster-role", default="flatcake-agent", dest="agent_cluster_role",
                     help="render: the agents' ClusterRole, as the chart names it")  # fmt: skip

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import copy
 import difflib
-from pathlib import Path
+from importlib import resources
 from typing import Any
 
 import jsonschema
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-CRDS = REPO / "crds"
+CRDS = "flatcake.crd_files"  # the package the checkout's crds/ folder installs as (pyproject.toml)
 
 
 def schema(plural: str) -> dict[str, Any]:
-    """The openAPIV3Schema of ``crds/<plural>.yaml`` (one version)."""
-    crd = yaml.safe_load((CRDS / f"{plural}.yaml").read_text())
+    """The openAPIV3Schema of ``crds/<plural>.yaml`` (one version), as installed with the package."""
+    crd = yaml.safe_load(resources.files(CRDS).joinpath(f"{plural}.yaml").read_text())
     versions = crd["spec"]["versions"]
     assert len(versions) == 1, "one served version: describe the others too when a second arrives"
     root: dict[str, Any] = versions[0]["schema"]["openAPIV3Schema"]

@@ -9,6 +9,11 @@ What one page of one layer is, per tensor-parallel rank (SGLang 0.5.23, ``mem_ca
 - **MLA (DeepSeek-V2/V3)**: one latent row per token, ``kv_lora_rank + qk_rope_head_dim`` elements,
   the same on every rank (not sharded: one writer stores it for all).
 
+Replicated dense KV (more ranks than KV heads) is stored once per rank (``copies``): the SGLang backend
+keys pages by rank, so ranks holding the same head write the same bytes under different keys. Storing
+each head once would need the backend to know SGLang's head-to-rank map; until then the cache is sized
+for ``copies`` times the bytes, and ``flatcake geometry`` says so.
+
 Element size: the served KV cache's dtype (SGLang's ``--kv-cache-dtype``; ``auto`` is the model's
 ``torch_dtype``). ``page_bytes`` is the raw size rounded up to 4 KiB, as the SGLang backend registers
 it (O_DIRECT alignment).
@@ -25,7 +30,8 @@ sidecar page is stored as ``chunks`` pages of that geometry (``sglang/backend.py
   attention when ``(l + 1) % interval == 0``; the ``mamba`` pool holds one request state per page (conv
   state in bf16, recurrent state in fp32 unless ``mamba_ssm_dtype`` says otherwise) for each linear
   layer, hit policy TRAILING_PAGES over the last page (``configs/mamba_utils.py``, ``pool_host/mamba.py``).
-Other layouts are refused with the fix (give ``kv`` by hand) rather than guessed: DeepSeek-V4 (SGLang
+Other layouts are refused with the fix (give ``kv`` by hand) rather than guessed: DeepSeek-V3.2 (its DSA
+indexer keys are a second pool), DeepSeek-V4 (SGLang
 0.5.23's KV pool for it is logical, holding no bytes; its bytes are in SWA and compressed sidecars),
 Nemotron-H and Falcon-H1 patterns, and sliding-window layer types of architectures not named above.
 """
@@ -72,15 +78,19 @@ class Geometry:
     """One model's KV page as a FlatCake pool stores it (one rank's share)."""
 
     model_type: str
-    attention: str  # "mha" (K and V per head) or "mla" (one latent row per token)
+    attention: str  # "mha", "gqa" (fewer KV heads than query heads), "mqa" (one KV head) or "mla" (a latent row)
     layers: int
     page_tokens: int
     bytes_per_token_layer: int  # one rank's KV bytes for one token in one layer
     raw_page_bytes: int  # one page of one layer, as SGLang's host pool holds it
     page_bytes: int  # raw_page_bytes rounded up to the O_DIRECT alignment: kv.pageBytes
     replicated: bool  # every rank holds the same KV (MLA; or more ranks than KV heads)
-    total_layers: int = 0  # the model's layers (``layers`` are those in the KV pool); 0: the same
+    total_layers: int = 0  # the model's layers (``layers`` are those in the KV pool, sidecars hold the rest)
     sidecars: tuple[Sidecar, ...] = ()
+    # Ranks that store the same bytes: SGLang's backend suffixes every key with its rank unless the KV is
+    # MLA (one writer stores it for all), so with more ranks than KV heads each head's pages are stored
+    # once per rank holding it. The cache pays that many times the bytes; size the pool for it.
+    copies: int = 1
 
     def stored_bytes_per_page(self) -> dict[str, int]:
         """Bytes one page of each pool takes in the cache (sidecars padded to whole chunks)."""
@@ -112,9 +122,13 @@ def from_config(config: Mapping[str, Any], *, tp: int = 1, page_tokens: int = 64
     if c.get("kv_lora_rank"):
         row = _int(c, "kv_lora_rank") + _int(c, "qk_rope_head_dim")
         per_token, attention, replicated = row * element, "mla", True
+        copies = 1
     else:
-        per_token, replicated = _mha_bytes_per_token(c, tp, element), tp > _kv_heads(c)
-        attention = "mha"
+        kv_heads = _kv_heads(c)
+        per_token, replicated = _mha_bytes_per_token(c, tp, element), tp > kv_heads
+        heads = c.get("num_attention_heads")
+        attention = "mqa" if kv_heads == 1 else ("gqa" if isinstance(heads, int) and kv_heads < heads else "mha")
+        copies = tp // kv_heads if replicated else 1
     raw = per_token * page_tokens
     page_bytes = _aligned(raw)
     span = layers * page_bytes
@@ -129,8 +143,8 @@ def from_config(config: Mapping[str, Any], *, tp: int = 1, page_tokens: int = 64
         linear = kinds.count("linear")
         flat = linear * _linear_state_bytes(c, tp)
         sidecars.append(Sidecar("mamba", linear, 0, flat, "trailing_pages", 1, -(-flat // span)))
-    return Geometry(model_type, attention, layers, page_tokens, per_token, raw, page_bytes, replicated,
-                    total if total != layers else 0, tuple(sidecars))  # fmt: skip
+    return Geometry(model_type, attention, layers, page_tokens, per_token, raw, page_bytes, replicated, total,
+                    tuple(sidecars), copies)  # fmt: skip
 
 
 def _aligned(n: int) -> int:
@@ -228,7 +242,11 @@ def _element_bytes(c: Mapping[str, Any], kv_dtype: str) -> int:
 def _refuse_unknown_layouts(c: Mapping[str, Any], model_type: str) -> None:
     """Layouts whose pools this derivation does not know, refused by name with the fix."""
     why = ""
-    if model_type.startswith("deepseek_v4") or "compress_ratios" in c:
+    if model_type == "deepseek_v32" or "index_topk" in c:
+        why = ("DeepSeek Sparse Attention: beside the MLA latent, SGLang keeps the indexer's keys "
+               f"({c.get('index_head_dim', '?')} dims per token and layer) in a second pool this derivation does "
+               "not size")  # fmt: skip
+    elif model_type.startswith("deepseek_v4") or "compress_ratios" in c:
         why = ("a compressed-attention model: SGLang 0.5.23 keeps its bytes in SWA and compressed sidecar pools "
                "(deepseek_v4_c4, c128, indexer, states) behind a KV pool that holds none")  # fmt: skip
     elif any(k in c for k in ("layers_block_type", "hybrid_override_pattern", "mamba_d_ssm")):

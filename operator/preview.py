@@ -63,3 +63,23 @@ def objects(
     config = render.engine_config(spec, cache, wipe=spec.wipe_policy == "Wipe")
     render.check_engine_config(config)
     return render.objects(spec, cache, config, agent_cluster_role, spec.service_monitor)
+
+
+class _Dumper(yaml.SafeDumper):
+    """YAML as a person reads it back: no anchors for objects used twice (the env both containers share),
+    multi-line strings (engine.json) as literal blocks rather than one escaped line."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def dump(objects: list[dict[str, Any]]) -> str:
+    """The objects as ``kubectl apply -f`` takes them."""
+    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False)

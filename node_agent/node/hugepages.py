@@ -27,7 +27,7 @@ _LOCK = ".lock"
 
 def wanted_hugepages(c: EngineConfig) -> int:
     p = c.prepare
-    if p.hugepage_size == "none":
+    if p.hugepage_size == "none" or not c.dram.huge_pages:  # a pool on tmpfs pages needs none reserved
         return 0
     return p.hugepages or math.ceil(c.dram.bytes / HUGEPAGE_BYTES[p.hugepage_size])
 

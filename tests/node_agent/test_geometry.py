@@ -51,7 +51,20 @@ def test_published_models(name: str, tp: int, page_tokens: int, kv_dtype: str, l
     )
     assert g.raw_page_bytes == per_token * page_tokens and g.page_bytes % 4096 == 0
     assert g.kv() == {"layers": layers, "pageBytes": page_bytes, "pageTokens": page_tokens}
-    assert g.attention == ("mla" if name.startswith("deepseek") else "mha")
+    # Llama 3.1 and Qwen2.5 share each KV head among several query heads: GQA, and named so.
+    assert g.attention == ("mla" if name.startswith("deepseek") else "gqa")
+    assert g.total_layers == layers  # dense: every layer is in the KV pool (it said 0)
+    assert g.copies == (16 // 8 if replicated and not name.startswith("deepseek") else 1)
+
+
+def test_attention_kinds_and_replicated_dense_kv_are_named_with_their_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    llama = json.loads((CONFIGS / "llama-3.1-8b-instruct.json").read_text())
+    assert geometry.from_config({**llama, "num_key_value_heads": 32}).attention == "mha"
+    assert geometry.from_config({**llama, "num_key_value_heads": 1}).attention == "mqa"
+    assert main(["geometry", str(CONFIGS / "llama-3.1-8b-instruct.json"), "--tp", "16"]) == 0
+    assert "size the cache for 2x the bytes" in capsys.readouterr().out  # 16 ranks over 8 KV heads
+    assert main(["geometry", str(CONFIGS / "llama-3.1-8b-instruct.json"), "--tp", "8"]) == 0
+    assert "size the cache" not in capsys.readouterr().out
 
 
 def test_sliding_window_hybrid_keeps_its_full_layers_in_the_kv_pool_and_the_rest_in_swa() -> None:
@@ -93,6 +106,12 @@ def test_what_cannot_be_derived_is_refused_naming_the_fix(tmp_path: Path) -> Non
     assert geometry.from_config({**qwen, "use_sliding_window": True}).layers == 28
     with pytest.raises(ConfigError, match="deepseek_v4: a compressed-attention model.*give spec.kv"):
         load("deepseek-v4-flash")
+    v3 = json.loads((CONFIGS / "deepseek-v3.json").read_text())
+    v32 = {**v3, "model_type": "deepseek_v32", "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}
+    with pytest.raises(
+        ConfigError, match=r"deepseek_v32: DeepSeek Sparse Attention.*indexer's keys \(128 dims.*spec.kv"
+    ):
+        geometry.from_config(v32)
     with pytest.raises(ConfigError, match="sliding-window model: SGLang splits pools per architecture"):
         geometry.from_config({**qwen, "layer_types": ["sliding_attention", "full_attention"] * 14})
     with pytest.raises(ConfigError, match="Mamba hybrid whose layer pattern"):

@@ -68,7 +68,7 @@ def test_render_refuses_what_the_operator_refuses_naming_the_field(
 def test_the_operator_command_still_runs_by_default() -> None:
     args = build_parser().parse_args(["operator", "--namespace", "kv"])
     assert args.action == "run" and args.namespace == ["kv"]
-    assert build_parser().parse_args(["operator", "render", "c.yaml"]).file == "c.yaml"
+    assert build_parser().parse_args(["operator", "render", "c.yaml"]).file == ["c.yaml"]
 
 
 def test_render_refuses_what_the_api_server_would_naming_each_field(

@@ -23,7 +23,10 @@ def cfg(tmp: Path, **prep: object) -> EngineConfig:
     base = small_config(tmp)
     mount = str(tmp / "mnt")
     ssd = dataclasses.replace(base.ssd, dir=mount + "/pool") if prep.get("devices") else base.ssd
-    return dataclasses.replace(base, ssd=ssd, prepare=PrepareConfig(mount=mount, **{"hugepage_size": "none", **prep}))  # type: ignore[arg-type]
+    dram = dataclasses.replace(base.dram, huge_pages=prep.get("hugepage_size", "none") != "none")
+    return dataclasses.replace(
+        base, ssd=ssd, dram=dram, prepare=PrepareConfig(mount=mount, **{"hugepage_size": "none", **prep})
+    )  # type: ignore[arg-type]
 
 
 def names(steps: list[P.Step]) -> list[str]:
@@ -44,8 +47,11 @@ def test_directory_mode_creates_a_verified_pool_and_is_idempotent(tmp_path: Path
 
 @pytest.mark.unit
 def test_hugepages_are_reserved_only_when_short(tmp_path: Path) -> None:
-    c = dataclasses.replace(cfg(tmp_path), prepare=PrepareConfig(hugepage_size="2Mi", hugepages=8))
+    c = cfg(tmp_path, hugepage_size="2Mi", hugepages=8)
     mine = {c.dram.name: 8}
+    # A DRAM pool on tmpfs pages (dram.huge_pages false) needs none: nothing is planned (it reserved them).
+    tmpfs = dataclasses.replace(c, dram=dataclasses.replace(c.dram, huge_pages=False))
+    assert names(P.plan(tmpfs, P.NodeState(hugepages={"2Mi": 0}))) == ["pool"] and P.wanted_hugepages(tmpfs) == 0
     assert names(P.plan(c, P.NodeState(hugepages={"2Mi": 0}))) == ["hugepages", "pool"]
     assert names(P.plan(c, P.NodeState(hugepages={"2Mi": 8}, hugepage_shares=mine))) == ["pool"]
     assert names(P.plan(c, P.NodeState(hugepages={"2Mi": 8}))) == ["hugepages", "pool"]  # share not recorded yet
