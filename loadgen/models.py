@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flatcake.node_agent import ConfigError
-from flatcake.node_agent.datapath.buffers import round_up
+from flatcake.node_agent.constants import ALIGN
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class ModelPreset:
 
     @property
     def page_layer_bytes(self) -> int:
-        return round_up(self.raw_page_layer_bytes)
+        return -(-self.raw_page_layer_bytes // ALIGN) * ALIGN  # O_DIRECT-aligned, as the engine stores it
 
     @property
     def span_bytes(self) -> int:

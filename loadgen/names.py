@@ -1,15 +1,19 @@
 """One name per benchmark system, meaning the same thing in every benchmark (``bench restore``,
 ``bench peers``, ``bench e2e``, ``bench context`` and ``simulate``); each runs the systems it can.
 
-The single source for names, ``--systems`` help and errors. No imports beyond the standard library,
-so the CLI can build its help without loading a system. Earlier spellings (``tiered_naive``,
-``tiered-l3``, ``none`` ...) are still accepted and mapped to these.
+The single source for names, ``--systems`` help and errors, and for where each system is implemented
+(``IMPLEMENTATIONS``: ``"module:attribute"`` per role, imported on first use, as SGLang's backend factory
+names its backends). No imports beyond the standard library, so the CLI can build its help without
+loading a system, and a system that needs SGLang or Mooncake is imported only when it runs. Earlier
+spellings (``tiered_naive``, ``tiered-l3``, ``none`` ...) are still accepted and mapped to these.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from flatcake.errors import ConfigError
 
@@ -102,3 +106,36 @@ def markdown_table() -> str:
         rows.append(f"| `{s.name}` | {s.what} | {marks} |")
     old = ", ".join(f"`{a}` → `{b}`" for a, b in ALIASES.items())
     return "\n".join(rows) + f"\n\nEarlier spellings still accepted: {old}."
+
+
+# Where a system is built, per role: "system" is ``systems.base.System`` (the restore, peers and context
+# benches: ``cls(directory, spec)``); "l3" is a ``PageStore`` the emulator's tiered mode puts below
+# SGLang's host tier (``cls(root, layers, page_bytes, ...)``).
+IMPLEMENTATIONS: dict[str, dict[str, str]] = {
+    "system": {
+        "flatcake": "flatcake.loadgen.systems.sglang:FlatCakeSGLangSystem",
+        "flatcake-engine": "flatcake.loadgen.systems.flatcake:FlatCakeSystem",
+        "tiered": "flatcake.loadgen.systems.tiered:TieredSystem",
+        "tiered-naive": "flatcake.loadgen.systems.tiered:TieredNaiveSystem",
+        "per-block": "flatcake.loadgen.systems.per_block:PerBlockSystem",
+        "hicache-file": "flatcake.loadgen.systems.sglang:HiCacheFileSystem",
+        "mooncake": "flatcake.loadgen.systems.mooncake:MooncakeSystem",
+    },
+    "l3": {
+        "hicache-file": "flatcake.loadgen.systems.sglang:HiCacheFilePages",
+        "hicache-mooncake": "flatcake.loadgen.systems.mooncake:MooncakePages",
+    },
+}
+
+# The emulator's tiered mode's L3 choices: the idealized SSD log (in the tiered store itself) or a real one.
+L3_BACKENDS = ("log", *IMPLEMENTATIONS["l3"])
+
+
+def implementation(role: str, name: str) -> Any:
+    """The class implementing system ``name`` in ``role`` (imported now), or a ConfigError naming the role's
+    systems."""
+    where = IMPLEMENTATIONS[role].get(ALIASES.get(name, name))
+    if where is None:
+        raise ConfigError(f"{name!r} has no {role} implementation; these do: {', '.join(IMPLEMENTATIONS[role])}")
+    module, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module), attribute)

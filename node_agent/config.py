@@ -138,6 +138,9 @@ class AgentConfig:
     # ... or once this many records were appended since: a restart decodes those one by one (about 30 us
     # each), while the compacted part is read in columns, so this bounds the restart at any size.
     journal_compact_records: int = 65536
+    # How long a starting agent waits for the previous agent's writes and restores still in flight
+    # (catalog/epoch.py); past it, it starts anyway and such a restore's DRAM pages are misses.
+    epoch_wait_s: float = 30.0
     # Check every recovered page's crc32 after a restart: in the background once serving, and on every
     # read of a scope not yet checked (recovery itself reads no page: restart is O(journal records)).
     verify_on_recovery: bool = True
@@ -162,7 +165,7 @@ class ClusterConfig:
     cache_uid: str = ""  # owner of the FlatCakeNode (garbage-collected with the cache)
     node_ids_dir: str = ""  # a ConfigMap volume with one file per node name holding its NodeID
     report_interval_s: float = 10.0
-    # Cross-node reads (service/peers.py, service/cluster.py) over Mooncake's transfer engine. ``listen``
+    # Cross-node reads (service/peer_service.py, service/cluster.py) over Mooncake's transfer engine. ``listen``
     # ("host:port", port 0 picks one) serves this agent's pages to other nodes; ``peers`` are the other
     # agents' listen addresses, which this node's clients ask for what the local cache lacks.
     listen: str = ""
@@ -254,6 +257,9 @@ class EngineConfig:
             raise ConfigError(f"agent.metrics_port: {self.agent.metrics_port} is not a TCP port (0 picks a free one)")
         _positive(self.agent, "journal_fsync_ms", "journal_compact_bytes", "journal_compact_records",
                   "http_max_connections", "max_clients", "max_clients_per_process", prefix="agent.")  # fmt: skip
+        if not self.agent.epoch_wait_s >= 0:
+            raise ConfigError(f"agent.epoch_wait_s: {self.agent.epoch_wait_s} must be >= 0 (seconds a starting agent "
+                              "waits for the previous one's writes and restores; default 30)")  # fmt: skip
         if not self.agent.journal_compact_ratio > 1:
             raise ConfigError(f"agent.journal_compact_ratio: {self.agent.journal_compact_ratio} must be > 1 (growth "
                               "over the compacted size that triggers a compaction; default 2)")  # fmt: skip
@@ -314,10 +320,12 @@ class EngineConfig:
 
     @property
     def dram_slots(self) -> int:
+        """Pages the DRAM pool holds (``dram.bytes`` over one page's bytes, all layers)."""
         return self.dram.bytes // (self.layers * self.page_bytes)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """A configuration from its JSON form, every field checked (a ``ConfigError`` names the field and the fix)."""
         if isinstance(data, dict) and RETIRED.keys() & data.keys():
             for name in sorted(RETIRED.keys() & data.keys()):
                 log.warning("config: %s is no longer a configuration field (%s); ignored", name, RETIRED[name])
@@ -345,6 +353,7 @@ class EngineConfig:
         return config
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form ``from_dict`` reads back (what the operator renders as engine.json)."""
         return dataclasses.asdict(self)
 
 

@@ -8,8 +8,8 @@ The agent runs as its own process (``flatcake agent serve``), as on a node; each
 with one connection, calling back to back for a fixed time. Latency is per call, from sending the
 request to decoding the reply.
 
-Its parts (latency, throughput, restart at 1 GiB and at 1M/10M keys) stay in one module: they share
-the agent-process harness and write one JSON.
+Why one module of this size: its parts (latency, throughput, restart at 1 GiB and at 1M/10M keys,
+the index's memory, the journal soak) share the agent-process harness and write one JSON.
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def measure(system: str, directory: Path, cfg: ContextConfig, tokens: int) -> di
     spec = SystemSpec(layers=m, page_bytes=span, page_tokens=model.page_tokens, sessions=1,
                       session_bytes=session_bytes, dram_fraction=fraction, flush_dram=True, mla=model.mla,
                       host_pool=True)  # fmt: skip
-    store = make_system(system, directory, spec, pages)
+    store = make_system(system, directory, spec)
     try:
         keys = [f"ctx-{tokens}-{i}" for i in range(pages)]
         chunk = max(1, CHUNK_TOKENS // model.page_tokens)

@@ -41,9 +41,7 @@ from flatcake.loadgen.bench import worker
 from flatcake.loadgen.bench.agent import percentile
 from flatcake.loadgen.bench.fio import SequentialReadLimit
 from flatcake.loadgen.models import DEFAULT, ModelPreset, custom, preset
-from flatcake.loadgen.systems import SYSTEMS
 from flatcake.loadgen.systems.base import RestoreCounters, System, SystemSpec, pids
-from flatcake.loadgen.systems.mooncake import MooncakeSystem
 from flatcake.loadgen.traces.formats import MOONCAKE_TRACE, read_trace
 from flatcake.loadgen.traces.sessions import Session, pick, sessions
 from flatcake.node_agent import ChainSignals, ConfigError, aligned_empty
@@ -169,17 +167,12 @@ def _crc(page: np.ndarray) -> int:
 
 
 # ---- the worker: one system, in its own process ------------------------------------------------------
-def make_system(name: str, directory: Path, spec: SystemSpec, session_pages: int) -> System:
-    """A peer by name. The SGLang systems import SGLang and torch, so they are imported only when run."""
+def make_system(name: str, directory: Path, spec: SystemSpec) -> System:
+    """A peer by name, built through the registry (names.IMPLEMENTATIONS): SGLang's and Mooncake's systems
+    import their packages only when run."""
     (name,) = names.resolve("peers", [name])
-    if name in ("flatcake", "hicache-file"):
-        from flatcake.loadgen.systems import sglang
-
-        cls = sglang.FlatCakeSGLangSystem if name == "flatcake" else sglang.HiCacheFileSystem
-        return cls(directory, spec, session_pages)
-    if name == "mooncake":
-        return MooncakeSystem(directory, spec)
-    return SYSTEMS[name](directory, spec)
+    system: System = names.implementation("system", name)(directory, spec)
+    return system
 
 
 def _proc(pid: int | str, field_name: str, table: str = "status") -> int:
@@ -215,8 +208,7 @@ def run_system(
     m, spec = w.model, w.spec(cfg)
     raw, span = m.raw_page_layer_bytes, m.page_layer_bytes
     base_rss = _proc("self", "VmRSS")
-    longest = max(len(s.pages) for s in w.sessions)
-    system = make_system(name, directory, spec, longest)
+    system = make_system(name, directory, spec)
     try:
         crcs: dict[str, int] = {}
         put_seconds = 0.0
@@ -265,7 +257,7 @@ def run_system(
         dropped = drop_caches()
         processes: list[int | str] = ["self", *pids(system)]
         reads_before = _device_reads(processes)
-        dest = aligned_empty((m.layers, longest, span))
+        dest = aligned_empty((m.layers, spec.session_pages, span))
         walls: list[float] = []
         verified = corrupt_pages = missing = 0
         for session in w.sessions:

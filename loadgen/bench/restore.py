@@ -22,9 +22,11 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
+from flatcake.loadgen import names
 from flatcake.loadgen.bench.fio import SequentialReadLimit
 from flatcake.loadgen.models import DEFAULT, preset
-from flatcake.loadgen.systems import SYSTEMS, FlatCakeSystem, System, SystemSpec
+from flatcake.loadgen.systems.base import System, SystemSpec
+from flatcake.loadgen.systems.flatcake import FlatCakeSystem
 from flatcake.node_agent import Hints, Key, aligned_empty
 
 MiB = 1 << 20
@@ -202,10 +204,10 @@ def run(
     extra: dict[str, Any] = {}
     limit: dict[str, Any] = {}
     try:
-        for name, make in SYSTEMS.items():
+        for name in names.names("restore"):
             where = directory / name
             shutil.rmtree(where, ignore_errors=True)
-            system = make(where, spec(cfg, name, w.sessions, w.turns))
+            system = names.implementation("system", name)(where, spec(cfg, name, w.sessions, w.turns))
             try:
                 after_put = between = None
                 if isinstance(system, FlatCakeSystem):
@@ -326,7 +328,7 @@ def context_sweep(cfg: BenchConfig, directory: Path, quiet: bool) -> list[dict[s
     for name in ("flatcake-engine", "tiered"):
         where = directory / f"context-{name}"
         shutil.rmtree(where, ignore_errors=True)
-        system = SYSTEMS[name](where, spec(cfg, name, 1, w.turns))
+        system = names.implementation("system", name)(where, spec(cfg, name, 1, w.turns))
         try:
             write_all(system, w, quiet)
             for t in points:

@@ -1,4 +1,5 @@
-"""``flatcake loadgen bench``: a benchmark run in a staging cluster, as the chart's Job and workers run it.
+"""``flatcake loadgen staging`` (first named ``loadgen bench``, still accepted): a benchmark run in a
+staging cluster, as the chart's Job and workers run it.
 
 The master replays the trace at each QPS point in turn through Locust's distributed mode (it writes
 every worker's records), then writes the report with the system under test and the cluster context

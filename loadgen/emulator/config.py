@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from flatcake.errors import ConfigError
 from flatcake.loadgen.models import ModelPreset, gpu_profile, preset
+from flatcake.loadgen.names import L3_BACKENDS
 from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.node_agent.constants import PLACEMENT_MODES, SCHEDULER_POLICIES
 
@@ -16,7 +17,6 @@ from flatcake.node_agent.constants import PLACEMENT_MODES, SCHEDULER_POLICIES
 MODES = ("flatcake", "flatcake-native", "tiered", "dram", "none")
 MiB = 1 << 20
 # tiered: the idealized SSD log, SGLang's HiCacheFile, or Mooncake Store (SGLang's Mooncake backend)
-L3_BACKENDS = ("log", "hicache-file", "hicache-mooncake")
 # The modes SGLang schedules (its prefetch, stop and no-late-read rules); the native what-if is the other one.
 SGLANG_MODES = ("flatcake", "tiered", "dram", "none")
 

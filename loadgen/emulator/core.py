@@ -444,27 +444,16 @@ class Emulator:
         """One scheduling pass over the FCFS waiting queue: retry declined prefetches, skip requests
         whose prefetch may not stop yet, and take the first that may run. Returns it, or the time
         of the next timeout deadline to wake at."""
-        wake: float | None = None
         pt = self.cfg.page_tokens
         self._passes += 1
         for job in hicache.due_lookups(self.waiting, self._passes):  # before admission, as SGLang
             task = asyncio.create_task(self._look_up_again(job))
             self._lookups.add(task)
             task.add_done_callback(self._lookups.discard)
-        for job in self.waiting:
-            if job.retry:
-                self._try_prefetch(job)
-            op = job.op
-            if op is not None and not op.terminated:
-                if not op.may_stop(self.cfg.prefetch_policy, now, pt):
-                    deadline = op.deadline(pt) if self.cfg.prefetch_policy == "timeout" else None
-                    if deadline is not None:
-                        wake = deadline if wake is None else min(wake, deadline)
-                    continue
-                op.terminated = True
-            self.waiting.remove(job)
-            return job, None
-        return None, wake
+        chosen, wake = hicache.schedule(self.waiting, self.cfg.prefetch_policy, now, pt, self._try_prefetch)
+        if chosen is not None:
+            self.waiting.remove(chosen)
+        return chosen, wake
 
     def _hold_host(self, job: _Job, hbm: int, media: list[str]) -> None:
         """Lock the host-tier pages this waiting request matched (and let go of what it held before)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from flatcake.loadgen import names
 from flatcake.loadgen.emulator.config import EmulatorConfig, MiB
 from flatcake.loadgen.overlap import even_arrivals
 from flatcake.loadgen.systems.flatcake_pages import FlatCakePages
@@ -185,15 +186,16 @@ class Storage:
 
 
 def real_l3(cfg: EmulatorConfig, root: Path) -> PageStore | None:
-    """The tiered mode's L3 when it is a real backend (``cfg.l3``), imported only then (SGLang, Mooncake)."""
+    """The tiered mode's L3 when it is a real backend (``cfg.l3``), built through the registry and imported
+    only then (SGLang, Mooncake)."""
     if cfg.l3 == "hicache-file":
-        from flatcake.loadgen.systems.sglang import HiCacheFilePages
-
-        return HiCacheFilePages(root / "hicache", cfg.layers, cfg.page_bytes, drop_page_cache=cfg.drop_page_cache)
+        store: PageStore = names.implementation("l3", cfg.l3)(root / "hicache", cfg.layers, cfg.page_bytes,
+                                                              drop_page_cache=cfg.drop_page_cache)  # fmt: skip
+        return store
     if cfg.l3 == "hicache-mooncake":
-        from flatcake.loadgen.systems.mooncake import MooncakePages
-
-        return MooncakePages(root / "mooncake", cfg.layers, cfg.page_bytes, segment_bytes=cfg.l3_dram_bytes)
+        store = names.implementation("l3", cfg.l3)(root / "mooncake", cfg.layers, cfg.page_bytes,
+                                                   segment_bytes=cfg.l3_dram_bytes)  # fmt: skip
+        return store
     return None
 
 

@@ -16,8 +16,9 @@ from flatcake.errors import ConfigError
 from flatcake.loadgen import names
 from flatcake.loadgen.models import gpu_profile, preset
 from flatcake.loadgen.simulate import devices, workload
-from flatcake.loadgen.simulate.cluster import SYSTEMS, Cluster, Record, System, make
 from flatcake.loadgen.simulate.events import EventLoop
+from flatcake.loadgen.simulate.model import Cluster, Record, System
+from flatcake.loadgen.simulate.systems import SYSTEMS, make
 from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.loadgen.traces.formats import BUNDLED_TRACE
 from flatcake.node_agent import PlacementConfig

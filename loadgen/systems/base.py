@@ -68,6 +68,11 @@ class SystemSpec:
     host_pool: bool = False
 
     @property
+    def session_pages(self) -> int:
+        """Pages of the largest session."""
+        return -(-self.session_bytes // (self.layers * self.page_bytes))
+
+    @property
     def page_span(self) -> int:
         return self.layers * self.page_bytes
 

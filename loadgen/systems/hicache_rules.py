@@ -1,5 +1,6 @@
 """SGLang HiCache's storage-prefetch rules, as pure decisions: when a prefetch may start, when the
-scheduler may stop waiting for it, and how long it may wait. The emulator's tiered mode runs them.
+scheduler may stop waiting for it, how long it may wait, and the scheduling pass itself
+(``schedule``). The emulator's SGLang-side modes and the simulator both run them, from here.
 
 Read from SGLang 0.5.23 (cited by file and function; no code taken):
 - ``srt/arg_groups/fields/memory.py``: ``hicache_storage_prefetch_policy`` is one of ``best_effort``,
@@ -32,7 +33,7 @@ Read from SGLang 0.5.23 (cited by file and function; no code taken):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -123,6 +124,37 @@ def due_lookups(waiting: Sequence[W], passes: int) -> list[W]:
                 job.lookups += 1
                 due.append(job)
     return due
+
+
+class Queued(Protocol):
+    retry: bool  # declined for capacity: asked again at each pass
+    op: Prefetch | None  # its storage prefetch, if one started
+
+
+Q = TypeVar("Q", bound=Queued)
+
+
+def schedule(
+    waiting: Sequence[Q], policy: str, now: float, page_tokens: int, retry: Callable[[Q], None]
+) -> tuple[Q | None, float | None]:
+    """One scheduling pass over the FCFS waiting queue (SGLang's prefill batch loop, one request at a
+    time): in queue order, ``retry`` a declined prefetch, skip a request whose prefetch may not stop yet
+    under ``policy``, and stop (terminate) the prefetch of the first that may run. Returns that request
+    (the caller takes it off the queue), or None and the earliest ``timeout`` deadline to wake at."""
+    wake: float | None = None
+    for job in waiting:
+        if job.retry:
+            retry(job)
+        op = job.op
+        if op is not None and not op.terminated:
+            if not op.may_stop(policy, now, page_tokens):
+                deadline = op.deadline(page_tokens) if policy == "timeout" else None
+                if deadline is not None:
+                    wake = deadline if wake is None else min(wake, deadline)
+                continue
+            op.terminated = True
+        return job, None
+    return None, wake
 
 
 def lock(counts: dict[Any, int], keys: Iterable[Any], delta: int) -> None:

@@ -139,10 +139,10 @@ class _SGLangSystem:
 
     name = ""
 
-    def __init__(self, directory: Path, spec: SystemSpec, session_pages: int) -> None:
+    def __init__(self, directory: Path, spec: SystemSpec) -> None:
         self.torch, self.factory = _import_sglang()
         self.spec, self.directory, self.mla = spec, directory, spec.mla
-        self.pool = HostPool.for_spec(spec, max(session_pages, BATCH), spec.mla)
+        self.pool = HostPool.for_spec(spec, max(spec.session_pages, BATCH), spec.mla)
         self._counters = RestoreCounters()
 
     def storage_config(self, extra: dict[str, Any]) -> Any:
@@ -203,8 +203,8 @@ class FlatCakeSGLangSystem(_SGLangSystem):
 
     name = "flatcake"
 
-    def __init__(self, directory: Path, spec: SystemSpec, session_pages: int) -> None:
-        super().__init__(directory, spec, session_pages)
+    def __init__(self, directory: Path, spec: SystemSpec) -> None:
+        super().__init__(directory, spec)
         directory.mkdir(parents=True, exist_ok=True)
         dram = DramConfig(huge_pages=False, shm_dir=str(directory), name="bench-dram")
         config = dataclasses.replace(
@@ -294,8 +294,8 @@ class HiCacheFileSystem(_SGLangSystem):
 
     name = "hicache-file"
 
-    def __init__(self, directory: Path, spec: SystemSpec, session_pages: int) -> None:
-        super().__init__(directory, spec, session_pages)
+    def __init__(self, directory: Path, spec: SystemSpec) -> None:
+        super().__init__(directory, spec)
         directory.mkdir(parents=True, exist_ok=True)
         extra = {"file_storage_path": str(directory)}
         self.backend = self.factory.create_backend("file", self.storage_config(extra), self.pool)

@@ -16,8 +16,11 @@ so a restore holds the epoch from its start to its close. A new agent (whose wri
 page the restore is still copying: a DRAM page is not checksummed by default) begins only once it
 has ended, and a lease of an earlier epoch is refused before anything is read.
 
-A write or restore that does not finish within ``wait_s`` (a hung device, a restore never closed) is
-logged and the agent starts anyway: the read-side checksums are then the only guard.
+A write or restore that does not finish within ``wait_s`` (``agent.epoch_wait_s``: a hung device, a
+restore never closed) is logged and the agent starts anyway. Such a restore, when it ends, finds the
+epoch moved and counts every DRAM page it copied as a miss (``Engine._epoch_check``): the new agent's
+writers may have reused those slots. Its SSD pages are guarded by the read-side checksums where reads
+are checked (``io.verify_reads``, ``ssd`` by default).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from flatcake.node_agent.constants import JOURNAL_FSYNC_POLICIES as POLICIES
 from flatcake.node_agent.policy.extents import Extent
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.keyindex import Digests, pack
-from flatcake.node_agent.policy.scopes import Scope
+from flatcake.node_agent.policy.scope import Scope
 
 log = logging.getLogger(__name__)
 
@@ -426,16 +426,16 @@ def snapshot_records(
         base = int(ends[first - 1]) if first else 0
         last = max(first + 1, int(np.searchsorted(ends, base + max_pages, side="right")))
         group, end = scopes[first:last], int(ends[last - 1])
-        exts = [e for s in group for e in s.extents]
+        exts = [e for s in group for e in s.journaled_extents()]  # what published pages hold, not writes in flight
         out.append({
             "t": "snap",
             "scopes": np.fromiter((s.id for s in group), "<u8", len(group)).tobytes(),
             "media": np.fromiter((int(s.medium) for s in group), "u1", len(group)).tobytes(),
             "counts": counts[first:last].astype("<u4").tobytes(),
-            "ext_counts": np.fromiter((len(s.extents) for s in group), "<u4", len(group)).tobytes(),
-            "slot_counts": np.fromiter((len(s.slots) for s in group), "<u4", len(group)).tobytes(),
+            "ext_counts": np.fromiter((len(s.journaled) for s in group), "<u4", len(group)).tobytes(),
+            "slot_counts": np.fromiter((len(s.journaled_slots) for s in group), "<u4", len(group)).tobytes(),
             "exts": np.asarray(exts, "<u8").reshape(-1, 3).tobytes(),
-            "slot_list": np.fromiter((x for s in group for x in s.slots), "<u4").tobytes(),
+            "slot_list": np.fromiter((x for s in group for x in s.journaled_slots), "<u4").tobytes(),
             "kd": np.ascontiguousarray(digests[base:end], "<u8").tobytes(),
             "gvas": np.asarray(gva[base:end], "<u8").tobytes(),
             "strides": np.asarray(stride[base:end]).astype("<u4").tobytes(),

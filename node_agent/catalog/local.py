@@ -1,9 +1,5 @@
-"""The catalog: the engine's metadata service. Allocation, publication, lookup, leases, journal.
-
-The engine's data path (writing and restoring bytes) talks to a catalog through five calls. In one
-process that is a ``LocalCatalog``; on a node, the agent owns the one ``LocalCatalog`` and clients
-reach it over the control socket (``client.RemoteCatalog``), so every inference process shares one
-index, one allocator and one reclaim policy while moving the bytes itself.
+"""The catalog the agent owns (``LocalCatalog``): allocation, publication, lookup, leases and the journal
+over the scope table. It implements ``catalog.interface.Catalog``, as the client's ``RemoteCatalog`` does.
 """
 
 from __future__ import annotations
@@ -12,75 +8,22 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from flatcake.errors import FencedError, UnknownHandleError, UnknownKeyError
+from flatcake.node_agent.catalog.interface import Allocation, Lease
 from flatcake.node_agent.catalog.journal import Journal, publish_record, snapshot_records
 from flatcake.node_agent.catalog.shared_index import SharedIndexWriter
 from flatcake.node_agent.config import PlacementConfig
-from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.keyindex import U64, pack
 from flatcake.node_agent.policy.placement import Hints, Key, PlacementCounts, decide
-from flatcake.node_agent.policy.scopes import (
-    CopyReservation,
-    Location,
-    Reservation,
-    Scope,
-    ScopeTable,
-    Segment,
-    as_locations,
-    key_digests,
-)
+from flatcake.node_agent.policy.scope import CopyReservation, Location, Reservation, Scope, as_locations, key_digests
+from flatcake.node_agent.policy.scopes import ScopeTable
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """Space for the new pages of a put. ``index`` are their positions in the put's key list; SSD
-    segments count pages within ``index``; DRAM has one slot per page."""
-
-    id: int
-    index: list[int]
-    medium: Medium
-    reason: str
-    segments: list[Segment] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    epoch: int = 0  # the agent's epoch when allocated (0: no agent, nothing to fence)
-    # SSD, copies mode: a DRAM slot per new page that gets a clean copy of it too (written with the SSD
-    # segments, published with them).
-    copy_slots: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Lease:
-    """Pinned locations of a get's pages, held until released, with each page's crc32 as published
-    (empty when the catalog does not know them) so the reader can verify what it read."""
-
-    id: int
-    locations: list[Location]
-    checksums: list[int] = field(default_factory=list)
-    # Some page is not yet checked by the agent's post-restart scan: the reader checks every page it
-    # reads (whatever io.verify_reads says), so a damaged page is a miss even before the scan finds it.
-    verify: bool = False
-    epoch: int = 0  # the agent epoch that granted it (0: no agent): its pins end with that epoch
-    # Copies mode, asked for with ``acquire(copy=True)``: per location, a DRAM slot the reader copies the
-    # page into once it has read (and checked) it, or -1. ``release(copied=...)`` says which it filled.
-    copies: list[int] = field(default_factory=list)
-
-
-class Catalog(Protocol):
-    def allocate(self, keys: Sequence[Key], hints: Hints) -> Allocation | None: ...
-    def publish(self, alloc_id: int, checksums: Sequence[int]) -> None: ...
-    def abort(self, alloc_id: int) -> None: ...
-    def exists(self, keys: Sequence[Key]) -> int: ...
-    def acquire(self, keys: Sequence[Key], copy: bool = False) -> Lease: ...
-    def release(self, lease_id: int, copied: Sequence[int] | None = None) -> None: ...
-    def close(self) -> None: ...
 
 
 class LocalCatalog:
@@ -252,9 +195,13 @@ class LocalCatalog:
         self.table.adopt(scope, d)
 
     def adopted(self, d: npt.NDArray[np.uint64], scope: Any, gva: U64, stride: Any, crc: Any) -> None:
-        """Recovery is over: index every adopted page at once (until now clients find none of them, a
-        miss, never a wrong page)."""
+        """Index the recovered pages at once (recovery only, before anything is served: clients find none
+        of them until then, a miss, never a wrong page). It may run beside ``adopt``."""
         self.table.load_index(d, scope, gva, stride, crc)
+
+    def unindex(self, d: npt.NDArray[np.uint64]) -> None:
+        """Recovery only: take out of the index the pages of scopes ``adopt`` refused."""
+        self.table.unindex(d)
 
     def close(self) -> None:
         """The journal, if any, belongs to whoever opened it (the agent)."""

@@ -30,7 +30,7 @@ from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.policy.extents import Extent
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.keyindex import U64, hash_keys, pack
-from flatcake.node_agent.policy.scopes import Location, Scope
+from flatcake.node_agent.policy.scope import Location, Scope
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,7 @@ def adopt(
     owned = _owned(d, owner)
     every = read_page is None and bool(owned.all())  # the common case: each scope keeps all its pages
     served = np.zeros(len(d), bool)  # the journal positions of the pages served again
+    kept: list[tuple[int, _Found, Any, int]] = []
     for sid, s in sorted(found.scopes.items()):
         if sid in lost or (s.slots and any(found.slot_claims.get(x) != sid for x in s.slots)):
             out.superseded_pages += sum(n for _, n in s.spans)
@@ -209,23 +210,33 @@ def adopt(
             n = len(rows)
             if not n:
                 continue  # nothing left to serve: its space stays free
+        served[rows] = True
+        kept.append((sid, s, rows, n))
+    cols = (d, owner, gva, stride, crc)
+    if not served.all():  # pages of freed or dropped scopes: left out (a copy of the columns)
+        cols = tuple(c[served] for c in cols)  # type: ignore[assignment]
+    # The index is filled on the other core while the scopes are re-created (numpy releases the GIL): no
+    # client is served before both end, and a scope whose space turns out taken loses its entries after.
+    indexing = threading.Thread(target=catalog.adopted, args=cols, name="flatcake-recovery-index")
+    index_started = time.monotonic()
+    indexing.start()
+    refused = []
+    for sid, s, rows, n in kept:
         scope = Scope(sid, s.medium, 0, extents=[Extent(f, o, e) for (f, o), e in s.ext.items()], slots=s.slots)
         try:
             catalog.adopt(scope, d[rows])
         except ValueError as exc:  # space outside the pool or taken twice: never serve it
             log.error("%s: dropping scope %d: %s", where, sid, exc)
             out.superseded_pages += n
+            refused.append(rows)
             continue
-        served[rows] = True
         out.scopes += 1
         out.pages += n
-    cols = (d, owner, gva, stride, crc)
-    if not served.all():  # pages of freed or dropped scopes: left out (a copy of the columns)
-        cols = tuple(c[served] for c in cols)  # type: ignore[assignment]
-    indexing = time.monotonic()
-    out.adopt_seconds = indexing - started
-    catalog.adopted(*cols)  # the index, in one pass
-    out.index_seconds = time.monotonic() - indexing
+    out.adopt_seconds = time.monotonic() - started
+    indexing.join()
+    out.index_seconds = time.monotonic() - index_started
+    if refused:
+        catalog.unindex(np.concatenate([d[rows] for rows in refused]))
     if out.dropped_pages:
         log.warning("recovery dropped %d pages whose bytes no longer match their checksum", out.dropped_pages)
     if out.superseded_pages:

@@ -55,7 +55,7 @@ from flatcake.node_agent.policy.keyindex import (
     slots_for,
 )
 from flatcake.node_agent.policy.placement import Key
-from flatcake.node_agent.policy.scopes import Location
+from flatcake.node_agent.policy.scope import Location
 
 log = logging.getLogger(__name__)
 

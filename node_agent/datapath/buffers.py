@@ -36,6 +36,7 @@ class ThreadBuffers:
         self._local = threading.local()
 
     def get(self, shape: tuple[int, ...]) -> npt.NDArray[np.uint8]:
+        """This thread's buffer, as an aligned uint8 array of ``shape`` (grown when too small, reused otherwise)."""
         nbytes = int(np.prod(shape, dtype=np.int64))
         buf: npt.NDArray[np.uint8] | None = getattr(self._local, "buf", None)
         if buf is None or len(buf) < nbytes:

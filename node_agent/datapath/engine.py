@@ -5,6 +5,10 @@ written, and only then are the keys published. Read path (FC-CIO): keys resolve 
 page-layers are sorted and merged into few large reads that land in place in host memory
 (``host_restore``), or stream layer by layer through a bounded window into device memory, scattered
 into the caller's (non-contiguous) page slots (``restore``).
+
+Why one module of this size: ``put`` and ``get`` hold the fences a restart needs (the epoch held from
+the check to the last byte, the lease released after the copies) around the plans they hand to
+``host_restore``/``restore``; the reads themselves live there.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from flatcake.errors import (
 )
 from flatcake.node_agent.catalog import epoch as E
 from flatcake.node_agent.catalog.checksum import page_checksum
-from flatcake.node_agent.catalog.local import Allocation, Catalog, Lease, LocalCatalog
+from flatcake.node_agent.catalog.interface import Allocation, Catalog, Lease
+from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.config import EngineConfig
 from flatcake.node_agent.constants import ALIGN
 from flatcake.node_agent.datapath import gpu
@@ -259,6 +264,7 @@ class Engine:
 
     @property
     def host_io(self) -> IOBackend:
+        """The O_DIRECT reader host restores use (made on first use)."""
         if not self.gpu_io:
             return self.io
         if self._posix is None:
@@ -328,9 +334,10 @@ class Engine:
                     # The agent that granted the lease went away (a new one does not know it): its pins
                     # ended with it, and the epoch held above kept the pages ours while they were copied.
 
+            late = self._epoch_check(lease, at)
             if on_gpu:
-                return self._get_device(dest, at, want, mode, release)
-            host = self._get_host(dest, at, want, mode, release)
+                return self._get_device(dest, at, want, mode, release, late)
+            host = self._get_host(dest, at, want, mode, release, late)
             restore.append(host)
             return host
         except FencedError:
@@ -380,8 +387,35 @@ class Engine:
                 "(it restarted); nothing was read, look the keys up again"
             )
 
+    def _epoch_check(self, lease: Lease, at: _Located) -> Callable[[], set[int]] | None:
+        """What a restore of DRAM pages checks once it has copied them (``late``): if the agent restarted
+        meanwhile, the new agent's writers may have reused a slot as it was copied, so every DRAM page of
+        the restore is a miss (its bytes cannot be told from the new writer's without a checksum the
+        caller may not have asked for). A restore holds the epoch, so this happens only when it outlived
+        the new agent's wait for it (``agent.epoch_wait_s``; catalog/epoch.py). One 8-byte read per
+        restore otherwise."""
+        if not lease.epoch or not len(at.dram_src):
+            return None
+        directory, dram = self.config.ssd.dir, np.flatnonzero(~at.on_ssd).tolist()
+
+        def check() -> set[int]:
+            if E.current(directory) == lease.epoch:
+                return set()
+            self.stats.add("epoch_rechecks")
+            log.warning("a restore outlived its agent (epoch %d is now %d): its %d DRAM pages are misses",
+                        lease.epoch, E.current(directory), len(dram))  # fmt: skip
+            return set(dram)
+
+        return check
+
     def _get_host(
-        self, dest: Any, at: _Located, want: Ints | None, mode: str, release: Callable[[], None]
+        self,
+        dest: Any,
+        at: _Located,
+        want: Ints | None,
+        mode: str,
+        release: Callable[[], None],
+        late: Callable[[], set[int]] | None = None,
     ) -> HostRestore:
         c = self.config
         target = dest if isinstance(dest, PagedTarget) else host_target(dest)
@@ -416,10 +450,17 @@ class Engine:
             on_close=release,
             check=check,
             dram_rows=lambda slot: dram3[slot],
+            late=late,
         )
 
     def _get_device(
-        self, dest: Any, at: _Located, want: Ints | None, mode: str, release: Callable[[], None]
+        self,
+        dest: Any,
+        at: _Located,
+        want: Ints | None,
+        mode: str,
+        release: Callable[[], None],
+        late: Callable[[], set[int]] | None = None,
     ) -> Restore:
         c = self.config
         fills = plan_restore(at.file, at.base, at.ssd_stride, c.layers, c.page_bytes, self.gap_bytes,
@@ -458,6 +499,7 @@ class Engine:
             on_close=release,
             verify=verify,
             order=order,
+            late=late,
         )
 
     @property
@@ -547,9 +589,12 @@ class Engine:
 
     # ---- state -----------------------------------------------------------------------------------
     def usage(self) -> dict[str, dict[str, int]]:
+        """Used and total space and scopes per medium, as the catalog counts them."""
         return self.table.usage()
 
     def close(self) -> None:
+        """Release the pools, the reader threads and the catalog (an in-process engine removes the DRAM pool
+        it made; SSD pages stay in the pool files)."""
         self.io.close()  # waits for in-flight reads, then deregisters the staging windows from cuFile
         if self._reads is not None:
             self._reads.close()

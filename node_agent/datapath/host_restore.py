@@ -82,12 +82,13 @@ class HostRestore(LayerStream):
         on_close: Callable[[], None],
         check: Check | None = None,
         dram_rows: Callable[[int], memoryview] | None = None,
+        late: Callable[[], set[int]] | None = None,  # pages to count as missing, asked once all have landed
     ) -> None:
         self.direct = direct
         self._layers, self._plan, self._target = layers, plan, target
         self._ssd_dest, self._request_index, self._page_bytes = ssd_dest, request_index, page_bytes
         self._stream, self._copy_dram, self._stats, self._on_close = stream, copy_dram, stats, on_close
-        self._check, self._dram_rows = check, dram_rows
+        self._check, self._dram_rows, self._late = check, dram_rows, late
         self._cond = threading.Condition()
         cmds = plan.commands
         # Layer l is whole once `need[l]` commands (those with first_layer <= l) have landed.
@@ -107,6 +108,7 @@ class HostRestore(LayerStream):
 
     @property
     def target(self) -> PagedTarget:
+        """Where the pages land: the caller's memory, as a paged target."""
         return self._target
 
     # ---- planning (the restore's thread) --------------------------------------------------------------
@@ -282,8 +284,18 @@ class HostRestore(LayerStream):
         if gone:
             self.missing.update(gone)
             self._stats.add("pages_missing", len(gone))
-        if self._check is None or self._crc is None:
-            return
+        bad = self._late() if self._late is not None else set()
+        if self._check is not None and self._crc is not None:
+            bad |= self._checked()
+        bad -= self.missing
+        if bad:
+            self.missing.update(bad)
+            self._stats.add("verify_failures", len(bad))
+            self._stats.add("pages_missing", len(bad))
+
+    def _checked(self) -> set[int]:
+        """Pages whose bytes do not match their checksum (``check``)."""
+        assert self._check is not None and self._crc is not None
         ch, bad = self._check, set()
         if len(ch.ssd):
             got = LayerFold(self._page_bytes).fold(self._crc[:, ch.ssd])
@@ -292,11 +304,7 @@ class HostRestore(LayerStream):
             for i, slot, want in zip(ch.dram.tolist(), ch.dram_slots.tolist(), ch.dram_want.tolist(), strict=True):
                 if crc32(self._dram_rows(slot)) != want:
                     bad.add(i)
-        bad -= self.missing
-        if bad:
-            self.missing.update(bad)
-            self._stats.add("verify_failures", len(bad))
-            self._stats.add("pages_missing", len(bad))
+        return bad
 
     def _finish(self) -> None:
         if self._finished:

@@ -205,9 +205,10 @@ class Restore(LayerStream):
         on_close: Callable[[], None],
         verify: StagedVerifier | None = None,
         order: StreamOrder | None = None,
+        late: Callable[[], set[int]] | None = None,  # pages to count as missing, asked once all have landed
     ) -> None:
         self._order = order
-        self._verify = verify
+        self._verify, self._late = verify, late
         self._layers, self._fills, self._dest_pages = layers, fills, dest_pages
         self._request_index = request_index  # plan index -> position in the caller's key list
         self._io, self._windows, self._scatter, self._copy_dram = io, windows, scatter, copy_dram
@@ -266,14 +267,15 @@ class Restore(LayerStream):
                 if self._verify is not None:
                     self._verify.layer(layer)
                 yield layer
-            if self._verify is not None:
-                # A page that does not match what was published is never handed over as good: it is a
-                # miss the caller recomputes, like a page that failed to read.
-                bad = self._verify.failed(self.missing)
-                if bad:
-                    self.missing.update(bad)
-                    self._stats.add("verify_failures", len(bad))
-                    self._stats.add("pages_missing", len(bad))
+            # A page that does not match what was published is never handed over as good: it is a miss the
+            # caller recomputes, like a page that failed to read.
+            bad = self._verify.failed(self.missing) if self._verify is not None else set()
+            if self._late is not None:
+                bad |= self._late() - self.missing
+            if bad:
+                self.missing.update(bad)
+                self._stats.add("verify_failures", len(bad))
+                self._stats.add("pages_missing", len(bad))
         finally:
             for _, _, futures in inflight:  # never hand a slot back while a read may still land in it
                 for f in futures:

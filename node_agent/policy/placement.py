@@ -57,6 +57,7 @@ class Hints:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Hints:
+        """Hints from a request's map (unknown fields refused, by name)."""
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:

@@ -19,13 +19,9 @@ seqlock), entries are inserted only after their bytes are written (publish after
 is deleted before its space can be reused (reclaim happens under the lock, and only for unpinned
 scopes). A reader that wants to read bytes pins first; ``pin`` re-validates each entry under the lock.
 
-DRAM copies (``placement.mode: copies``): a scope homed on SSD may also hold clean copies of some of
-its pages in DRAM slots, kept in a second index (``copy_index``) that only ``pin`` consults, so a
-lease reads a copied page from DRAM and the rest from SSD in one plan. The home index, the journal
-and recovery never see copies: a copy is a cache entry, never the only copy, so dropping one (DRAM
-pressure, a restart) loses nothing. Copies are admitted on evidence of reuse (the session came back
-within DRAM's residence, ``adaptive.ReuseModel.copy_pays``) at write time (the writer's bytes go to
-both) or at a restore (the reader copies what it read, ``reserve_copies``/``publish_copies``).
+DRAM copies (``placement.mode: copies``): an SSD scope's pages may also have clean copies in DRAM slots,
+in a second index (``copy_index``) only ``pin`` consults; the journal and recovery never see them (a
+copy is never the only copy). Admission: ``adaptive.ReuseModel.copy_pays``; docs/architecture.md.
 
 Why one module of this size: the scope table, allocation, publish and reclaim keep one invariant
 together (a scope's pages, index entries and extents are freed at once, never under a pin), and it
@@ -38,8 +34,7 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -50,168 +45,26 @@ from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.policy.adaptive import ReuseModel
 from flatcake.node_agent.policy.extents import Extent, ExtentAllocator
 from flatcake.node_agent.policy.gva import Medium
-from flatcake.node_agent.policy.keyindex import U64, Digests, Found, KeyIndex, Pages, hash_keys, pack
+from flatcake.node_agent.policy.keyindex import U64, Digests, Found, KeyIndex, Pages, pack
 from flatcake.node_agent.policy.placement import Decision, Key, Reason, overflow
+from flatcake.node_agent.policy.reclaim import ReclaimStats, Victim, plan_reclaim
+from flatcake.node_agent.policy.scope import (
+    Clock,
+    CopyReservation,
+    CopyStats,
+    Location,
+    Reservation,
+    Scope,
+    Segment,
+    as_locations,
+    continues,
+    key_digests,
+    other_medium,
+    unpack_digest,
+)
 from flatcake.node_agent.policy.slots import SlotAllocator
 
-
-class Location(NamedTuple):
-    """Where a page lives: its layer-0 address and the distance between its layers."""
-
-    scope: int
-    gva: int
-    layer_stride: int
-
-
-@dataclass(eq=False, slots=True)
-class Scope:
-    id: int
-    medium: Medium
-    last_used: int
-    extents: list[Extent] = field(default_factory=list)  # SSD, in creation order; appends go to the last
-    slots: list[int] = field(default_factory=list)
-    keys: Pages = field(default_factory=Pages)  # the pages' key digests, in publish order
-    pins: int = 0
-    segments: int = 0
-    # Adaptive placement: the tick of the last write into it, whether a reader has leased it since,
-    # and the ticks from its latest write to the first lease after it (its reuse distance).
-    written: int = 0
-    reread: bool = False
-    reuse: int | None = None
-    # Copies mode, SSD scopes: DRAM slots holding clean copies of some pages, and those pages' digests.
-    copy_slots: list[int] = field(default_factory=list)
-    copy_keys: Pages = field(default_factory=Pages)
-
-    def units(self) -> int:
-        """Space held: bytes on SSD, slots on DRAM."""
-        return sum(e.length for e in self.extents) if self.medium is Medium.SSD else len(self.slots)
-
-    def dram_units(self) -> int:
-        """DRAM slots held: a DRAM scope's pages, an SSD scope's copies."""
-        return len(self.slots) + len(self.copy_slots)
-
-
-# Reasons that are evidence for a medium; ONE_SHOT (turn 1, or no hints at all) is the absence of any.
-_EVIDENCE = {
-    Reason.SHARED_PROMPT,
-    Reason.SHORT_CHAT,
-    Reason.AGENT_SESSION,
-    Reason.REUSE_WITHIN_DRAM,
-    Reason.REUSE_BEYOND_DRAM,
-}
-
-
-def _other_medium(decision: Decision, medium: Medium) -> bool:
-    """Whether a continuation's own Table 2 decision positively names the medium its scope is not on."""
-    return decision.medium is not medium and decision.reason in _EVIDENCE
-
-
-def _continues(scope: Scope, parent: Digests) -> bool:
-    """Whether the parent (its digest) is ``scope``'s last published page: new pages after it extend the run."""
-    h1, h2 = parent
-    return scope.keys.last() == (int(h1[0]), int(h2[0]))
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One layer-major segment: ``pages`` consecutive pages of the run, starting at ``first_page``."""
-
-    file: int
-    offset: int
-    first_page: int
-    pages: int
-
-
-@dataclass
-class Reservation:
-    """Space taken for a run of new pages, not yet visible to readers."""
-
-    keys: list[Key]
-    scope: Scope
-    decision: Decision
-    new_scope: bool
-    digests: Digests  # of ``keys``
-    segments: list[Segment] = field(default_factory=list)  # SSD
-    extents: list[Extent] = field(default_factory=list)  # SSD: each touched extent, through its last segment
-    slots: list[int] = field(default_factory=list)  # DRAM
-    # Each page's GVA and layer stride, in ``keys`` order (columns: the index takes them as they are).
-    gva: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, np.uint64))
-    stride: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
-    copy_slots: list[int] = field(default_factory=list)  # SSD, copies mode: a DRAM copy of each page too
-
-
-@dataclass
-class CopyReservation:
-    """DRAM slots taken for copies of a lease's SSD pages, filled by the reader from what it read."""
-
-    at: list[int]  # the pages' positions in the lease
-    digests: Digests
-    scopes: list[int]
-    slots: list[int]
-
-
-@dataclass
-class CopyStats:
-    """Copies mode, in pages: admitted (at write, at restore), served by leases, evicted (and of
-    those, evicted before any lease read them: admission's misses)."""
-
-    admitted_write: int = 0
-    admitted_restore: int = 0
-    served: int = 0
-    evicted: int = 0
-    evicted_unread: int = 0
-    unfilled: int = 0  # reserved at a restore, not filled by the reader (it failed or stopped early)
-
-    def snapshot(self) -> dict[str, int]:
-        return dict(vars(self))
-
-
-class Victim(NamedTuple):
-    scope: int
-    last_used: int
-    units: int
-    pinned: bool
-
-
-def plan_reclaim(victims: Sequence[Victim], used: int, capacity: int, need: int, high: float, low: float) -> list[int]:
-    """Scopes to free, oldest first, so that ``need`` more units fit and usage ends at or below the
-    low watermark when it would pass the high one. Pinned scopes are never chosen; the plan may fall
-    short when too much is pinned (the caller then reports the pool full)."""
-    after = used + need
-    if after <= high * capacity and after <= capacity:
-        return []
-    if after - sum(v.units for v in victims if not v.pinned) > capacity:
-        return []  # even freeing every unpinned scope would not make room: free nothing
-    target = min(low * capacity, capacity) if after > high * capacity else capacity
-    chosen: list[int] = []
-    for v in sorted(victims, key=lambda v: v.last_used):
-        if after <= target:
-            break
-        if v.pinned or v.units == 0:
-            continue
-        chosen.append(v.scope)
-        after -= v.units
-    return chosen
-
-
-class Clock:
-    """The table's logical clock: one tick per allocation and per lease (``next``); ``now`` reads it."""
-
-    def __init__(self) -> None:
-        self.now = 0
-
-    def __next__(self) -> int:
-        self.now += 1
-        return self.now
-
-
 GHOSTS = 1 << 14  # adaptive placement: reclaimed-unread DRAM scopes remembered (their last page, 32 bytes)
-
-
-@dataclass
-class ReclaimStats:
-    scopes: int = 0
-    bytes: int = 0
 
 
 class ScopeTable:
@@ -348,12 +201,12 @@ class ScopeTable:
             session: int | None = None
             if self.reuse is not None:
                 decision, session = self._adapt(decision, scope, digests)
-            if scope is not None and pd is not None and not _continues(scope, pd):
+            if scope is not None and pd is not None and not continues(scope, pd):
                 # The parent lies inside another run (a shared prompt stored by another session): these
                 # pages do not continue that scope, so they get one of their own, placed by their hints.
                 # Joining would scatter every later reader's pages across the other session's segment.
                 scope = None
-            if scope is not None and _other_medium(decision, scope.medium):
+            if scope is not None and other_medium(decision, scope.medium):
                 # Peers, not tiers: a turn whose own signals name the other medium (a chat whose turns
                 # stay short after a one-shot first turn; a chat grown into a long context) starts a scope
                 # there. The earlier turns stay where they are: nothing migrates.
@@ -488,6 +341,7 @@ class ScopeTable:
             crc = np.zeros(n, np.int64) if checksums is None else np.asarray(checksums, np.int64)
             self.index.put(d, res.scope.id, res.gva, res.stride, crc)
             res.scope.keys.extend(d)
+            res.scope.published(res.extents, res.slots)
             if res.copy_slots:
                 self._add_copies(res.scope, d, res.copy_slots, crc)
                 self.copy_stats.admitted_write += len(res.copy_slots)
@@ -727,16 +581,24 @@ class ScopeTable:
                     self.ssd.release(ext)
                 raise ValueError(f"scope {scope.id}: {exc}") from None
             self.scopes[scope.id] = scope
+            scope.published(scope.extents, scope.slots)
             scope.keys = Pages.of(d)
             scope.last_used = next(self._clock)
 
     def load_index(self, d: npt.NDArray[np.uint64], scope: Any, gva: U64, stride: Any, crc: Any) -> None:
         """Index the adopted pages (digests ``(pages, 2)`` and their columns) into the empty index, in one
         sorted pass (keyindex ``load``): per 64K-entry ``put`` it was the largest part of a restart."""
+        # Not under ``lock``: recovery runs it beside ``adopt``, before anything else writes, and the index
+        # has no other writer then.
+        self.index.load((d[:, 0], d[:, 1]), scope, gva, stride, crc)
+        if len(scope):  # new scopes are numbered past every adopted one
+            with self.lock:
+                self._ids = itertools.count(max(next(self._ids), int(np.max(scope)) + 1))
+
+    def unindex(self, d: npt.NDArray[np.uint64]) -> None:
+        """Recovery only: remove these pages' entries (of scopes ``adopt`` refused) from the index."""
         with self.lock:
-            self.index.load((d[:, 0], d[:, 1]), scope, gva, stride, crc)
-            if self.scopes:  # new scopes are numbered past every adopted one
-                self._ids = itertools.count(max(next(self._ids), max(self.scopes) + 1))
+            self.index.remove((d[:, 0], d[:, 1]))
 
     def _adapt(self, decision: Decision, parent: Scope | None, digests: Digests) -> tuple[Decision, int | None]:
         """Adaptive placement: Table 2's ``decision`` corrected by the session's reuse distance. That is
@@ -803,7 +665,7 @@ class ScopeTable:
         its scope until the scope is freed; a scope left with no page is freed. False when the digest
         no longer names that page."""
         with self.lock:
-            d = _unpack1(digest)
+            d = unpack_digest(digest)
             found = self.index.find(d, stable_only=False)
             assert found is not None
             if not found.hit[0] or as_locations(found)[0] != loc:
@@ -838,24 +700,3 @@ class ScopeTable:
                 }
                 for m in Medium
             }
-
-
-def key_digests(keys: Sequence[Key]) -> Digests:
-    d = hash_keys(keys)
-    if d is None:
-        bad = next(k for k in keys if not isinstance(k, str | bytes | int))
-        raise ValueError(f"keys: {bad!r} is a {type(bad).__name__}; a key is str, bytes or int")
-    return d
-
-
-def _unpack1(digest: bytes) -> Digests:
-    a = np.frombuffer(digest, "<u8", count=2)
-    return a[:1].astype(np.uint64), a[1:].astype(np.uint64)
-
-
-def as_locations(found: Found) -> list[Location | None]:
-    """``Found`` columns as ``Location``s (None where not found)."""
-    out: list[Location | None] = list(map(Location, found.scope.tolist(), found.gva.tolist(), found.stride.tolist()))
-    for i in np.flatnonzero(~found.hit).tolist():
-        out[i] = None
-    return out

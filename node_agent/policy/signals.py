@@ -102,11 +102,13 @@ class ChainSignals:
             kids.add(child)
 
     def continuations(self, key: Key) -> int:
+        """How many different next keys have followed ``key`` (more than one: a shared prefix)."""
         with self._lock:
             kids = self._children.get(key)
             return len(kids) if kids else 0
 
     def session(self, key: Key) -> Session | None:
+        """The session state recorded when page ``key`` was written (its root, turn and pages), if known."""
         with self._lock:
             return self._sessions.get(key)
 

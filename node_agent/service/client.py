@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from flatcake.errors import by_code
-from flatcake.node_agent.catalog.local import Allocation, Lease
+from flatcake.node_agent.catalog.interface import Allocation, Lease
 from flatcake.node_agent.catalog.shared_index import SharedIndexReader
 from flatcake.node_agent.config import EngineConfig, host_port
 from flatcake.node_agent.datapath.engine import Engine
@@ -26,7 +26,7 @@ from flatcake.node_agent.datapath.io_backends import IOBackend
 from flatcake.node_agent.datapath.stats import Stats
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Hints, Key
-from flatcake.node_agent.policy.scopes import Location, Segment
+from flatcake.node_agent.policy.scope import Location, Segment
 from flatcake.node_agent.service import protocol as P
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class AgentConnection:
         return sock
 
     def call(self, op: str, **args: Any) -> Any:
+        """One request and its reply's result; a ``FlatCakeError`` of the reply's kind when the agent refused it."""
         with self._lock:
             sock = self._sock if self._sock is not None else self._reopen()
             try:
@@ -123,6 +124,7 @@ class AgentConnection:
         return bytes(buf)
 
     def close(self) -> None:
+        """Close the connection: the agent aborts its unpublished allocations and releases its leases."""
         with self._lock:
             self._drop()
 

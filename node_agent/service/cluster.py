@@ -9,7 +9,7 @@
   agents it found in their FlatCakeNodes), asked again every ``PEER_REFRESH_S``.
 - ``restore(keys, dest)``: the local prefix through the engine (FC-CIO), the rest from the peer that
   holds it: leased there (no reclaim under the read), DRAM pages read one-sided from its pool, SSD
-  pages staged by its agent and read one range per layer (``service/peers.py``), all over Mooncake's
+  pages staged by its agent and read one range per layer (``service/peer_service.py``), all over Mooncake's
   transfer engine into a registered landing buffer, checked page by page against the published crc32,
   then written into ``dest`` (numpy ``[layers][slots][page_bytes]`` or a ``PagedTarget``).
 
@@ -345,6 +345,7 @@ class Cluster:
         return on_ssd if one_sided else np.ones_like(on_ssd)
 
     def close(self) -> None:
+        """Close the connections to other nodes' agents and the transfer engine's buffers."""
         self._ask.shutdown(wait=False, cancel_futures=True)
         for peer in self.peers:
             if peer.conn is not None:

@@ -46,7 +46,7 @@ def spawn(config: EngineConfig, workdir: Path, output: Any = subprocess.DEVNULL,
 def run(config: EngineConfig) -> None:
     """``flatcake agent serve``: (in a cluster: wait for this node's NodeID), recover, then serve until
     SIGTERM, reporting a FlatCakeNode when the configuration names a cache."""
-    from flatcake.node_agent.node import cluster as R  # the kube client only where a cluster is configured
+    from flatcake.node_agent.node import identity as R  # the kube client only where a cluster is configured
 
     node = R.node_name() if config.cluster.node_ids_dir or config.cluster.cache else ""
     if config.cluster.node_ids_dir:

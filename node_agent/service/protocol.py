@@ -19,6 +19,7 @@ from typing import Any
 import msgpack
 
 from flatcake.errors import ProtocolError as ProtocolError  # the error type of this protocol
+from flatcake.errors import UnknownHandleError
 from flatcake.node_agent.constants import MAX_FRAME as MAX_FRAME
 
 VERSION = 1
@@ -94,6 +95,14 @@ def int_arg(args: dict[str, Any], name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ProtocolError(BAD_ARGS, f"{name}: must be an integer")
     return value
+
+
+def held_id(held: set[int], args: dict[str, Any], what: str) -> int:
+    """The handle ``args["id"]`` names, which this connection must hold (an allocation, a lease, a region)."""
+    handle = int_arg(args, "id")
+    if handle not in held:
+        raise UnknownHandleError(f"id: {what} {handle} is not held by this connection")
+    return handle
 
 
 def ok(req_id: int, result: Any) -> dict[str, Any]:

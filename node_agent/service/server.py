@@ -5,8 +5,11 @@ socket; clients map the DRAM pool and open the pool files themselves, so KV byte
 the agent. A client's unpublished allocations and pins belong to its connection: when the connection
 drops (the process exited or was killed) they are aborted and released.
 
-Each protocol op is one method, found through the ``OPS`` table; ``handle_frame`` turns every
-``FlatCakeError`` into its wire code and is the only place a broad ``except`` answers for a bug.
+Each protocol op is one method, found through the ``OPS`` table (the cross-node ones are in
+``peer_ops.py``); ``handle_frame`` turns every ``FlatCakeError`` into its wire code and is the only place
+a broad ``except`` answers for a bug. Why one module this size: the agent's lifecycle (open, recover,
+serve, close), its ops and its connection handling share the agent's state and its locks; the
+cross-node ops, peer authentication, the peer service and the HTTP side are modules of their own.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +53,11 @@ from flatcake.node_agent.datapath.engine import local_table
 from flatcake.node_agent.datapath.file_pool import create_pool
 from flatcake.node_agent.policy.keyindex import slots_for
 from flatcake.node_agent.policy.placement import Hints
-from flatcake.node_agent.policy.scopes import Location
+from flatcake.node_agent.policy.scope import Location
 from flatcake.node_agent.service import http, peer_auth
 from flatcake.node_agent.service import protocol as P
-from flatcake.node_agent.service.peers import PEER_OPS, PeerService
+from flatcake.node_agent.service.peer_ops import PeerOps, Session
+from flatcake.node_agent.service.peer_service import PEER_OPS, PeerService
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +67,7 @@ JOURNAL = "journal.log"
 SMALL_FRAME = 64 * 1024
 
 
-@dataclass(eq=False)
-class Session:
-    id: int
-    pid: int = 0  # the socket peer's process (SO_PEERCRED); 0 when the platform does not say
-    registered: bool = False
-    allocs: set[int] = field(default_factory=set)
-    leases: set[int] = field(default_factory=set)
-    remote: bool = False  # a connection from another node (cluster.listen): read ops only
-    nonce: bytes = b""  # a peer's challenge (op hello), answered by its register (peer_auth.py)
-    staged: set[int] = field(default_factory=set)  # staging regions it holds (peers.py)
-
-
-class Agent:
+class Agent(PeerOps):
     """The node agent. Construction maps the pools (fast); ``recover`` rebuilds the catalog from the
     journal (slow on a large cache) and ``serve`` runs it first if nobody has, so the HTTP endpoints
     can answer probes throughout recovery."""
@@ -108,7 +100,7 @@ class Agent:
         )  # fmt: skip
         # A new epoch before anything is served: writers holding allocations of the previous agent are
         # refused from here on (catalog/epoch.py).
-        self.epoch = advance_epoch(c.ssd.dir, self.gid)
+        self.epoch = advance_epoch(c.ssd.dir, self.gid, c.agent.epoch_wait_s)
         table = local_table(c)
         self.index = self._shared_index(table.dram.slots + table.ssd.capacity // table.page_span)
         self.catalog = LocalCatalog(table, c.placement, epoch=self.epoch, index=self.index)
@@ -216,38 +208,6 @@ class Agent:
                                   f"{', '.join(sorted(PEER_OPS))}); write through this node's own agent")  # fmt: skip
         return handler(self, session, args)
 
-    def op_hello(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
-        """A peer's challenge: a fresh nonce for this connection, to be answered by its register."""
-        if not session.remote:
-            raise P.ProtocolError(P.UNKNOWN_OP, "hello: only other nodes' connections authenticate")
-        session.nonce = peer_auth.nonce()
-        return {"nonce": session.nonce}
-
-    def op_peer_sign(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
-        """For a client of this node: the answer to another node's challenge, and the proof that node must
-        show back (peer_auth.py). The secret never leaves the agent."""
-        nonce, mine = args.get("nonce"), args.get("client_nonce")
-        if not isinstance(nonce, bytes) or not isinstance(mine, bytes) or len(mine) < peer_auth.NONCE_BYTES:
-            raise P.ProtocolError(P.BAD_ARGS, "nonce, client_nonce: bytes (the peer's hello, and 16 of your own)")
-        if self.peer_secret is None:
-            return {"auth": None, "proof": None}
-        return {"auth": peer_auth.register_mac(self.peer_secret, nonce, mine),
-                "proof": peer_auth.serve_mac(self.peer_secret, nonce, mine)}  # fmt: skip
-
-    def _authenticate(self, session: Session, args: dict[str, Any]) -> bytes | None:
-        """A peer's register: its answer to this connection's challenge. Returns the proof to answer."""
-        if self.peer_secret is None:  # cluster.insecure_peers
-            return None
-        mine, nonce = args.get("client_nonce"), session.nonce
-        session.nonce = b""  # one answer per challenge
-        if not (nonce and isinstance(mine, bytes) and len(mine) >= peer_auth.NONCE_BYTES) or not peer_auth.matches(
-            peer_auth.register_mac(self.peer_secret, nonce, mine), args.get("auth")
-        ):
-            self.dropped["unauthenticated"] += 1
-            raise P.ProtocolError(P.UNAUTHORIZED, "register: not authenticated as an agent of this cache (ask "
-                                  "hello, then register with auth from your agent's peer_sign)")  # fmt: skip
-        return peer_auth.serve_mac(self.peer_secret, nonce, mine)
-
     def op_register(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         c = self.config
         proof = self._authenticate(session, args) if session.remote else None
@@ -291,7 +251,7 @@ class Agent:
         }  # fmt: skip
 
     def op_publish(self, session: Session, args: dict[str, Any]) -> None:
-        alloc_id = _owned(session.allocs, P.int_arg(args, "id"), "allocation")
+        alloc_id = P.held_id(session.allocs, args, "allocation")
         crc = args.get("crc")
         if not isinstance(crc, list) or not all(isinstance(x, int) for x in crc):
             raise P.ProtocolError(P.BAD_ARGS, "crc: must be a list of integers, one per page")
@@ -302,7 +262,7 @@ class Agent:
         self.catalog.publish(alloc_id, crc, epoch)
 
     def op_abort(self, session: Session, args: dict[str, Any]) -> None:
-        alloc_id = _owned(session.allocs, P.int_arg(args, "id"), "allocation")
+        alloc_id = P.held_id(session.allocs, args, "allocation")
         session.allocs.discard(alloc_id)
         self.catalog.abort(alloc_id)
 
@@ -322,7 +282,7 @@ class Agent:
                 **({"copies": lease.copies} if lease.copies else {})}  # fmt: skip
 
     def op_release(self, session: Session, args: dict[str, Any]) -> None:
-        lease_id = _owned(session.leases, P.int_arg(args, "id"), "lease")
+        lease_id = P.held_id(session.leases, args, "lease")
         session.leases.discard(lease_id)
         copied = args.get("copied")
         if copied is not None and (not isinstance(copied, list) or not all(type(x) is int for x in copied)):
@@ -332,36 +292,6 @@ class Agent:
             )
         self.catalog.release(lease_id, copied)  # first: a bad stats map must not leave the pages pinned
         self._merge_stats(args.get("stats", {}))
-
-    async def op_stage(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
-        """Restore SSD pages into a staging region a peer reads over the transfer engine (peers.py)."""
-        peers = self._peer_service("stage")
-        keys = P.keys_arg(args)
-        staged = await asyncio.to_thread(peers.stage, keys)  # disk reads: off the loop
-        if session.id in self.sessions:
-            session.staged.add(staged["handle"])
-        else:  # the peer left while its pages were read: nobody will unstage them
-            peers.staging.give(staged["handle"])
-        return staged
-
-    def op_unstage(self, session: Session, args: dict[str, Any]) -> None:
-        handle = _owned(session.staged, P.int_arg(args, "id"), "staging region")
-        session.staged.discard(handle)
-        self._peer_service("unstage").staging.give(handle)
-
-    def op_peers(self, session: Session, args: dict[str, Any]) -> list[str]:
-        """The other nodes' agents this node's clients may read from: configured and discovered."""
-        return sorted((set(self.config.cluster.peers) | set(self.discovered_peers)) - {self.peer_address})
-
-    def set_discovered_peers(self, peers: list[str]) -> None:
-        if tuple(peers) != self.discovered_peers:
-            log.info("peers: %s", ", ".join(peers) or "none")
-        self.discovered_peers = tuple(peers)
-
-    def _peer_service(self, op: str) -> PeerService:
-        if self.peers is None:
-            raise P.ProtocolError(P.UNKNOWN_OP, f"{op}: this agent serves no other nodes (set cluster.listen)")
-        return self.peers
 
     def op_report(self, session: Session, args: dict[str, Any]) -> None:
         self._merge_stats(args.get("stats", {}))
@@ -693,8 +623,8 @@ class Agent:
 
 
 Handler = Callable[[Agent, Session, dict[str, Any]], Any]
-OPS: dict[str, Handler] = {
-    name.removeprefix("op_"): getattr(Agent, name) for name in vars(Agent) if name.startswith("op_")
+OPS: dict[str, Handler] = {  # the agent's own ops and the cross-node ones (PeerOps)
+    name.removeprefix("op_"): getattr(Agent, name) for name in dir(Agent) if name.startswith("op_")
 }
 
 
@@ -745,12 +675,6 @@ def _remove_stale_socket(path: Path) -> None:
         raise ConfigError(f"agent.socket: {path} exists and is not a socket; move it away or point "
                           "agent.socket elsewhere (the agent deletes only a stale socket)")  # fmt: skip
     path.unlink()
-
-
-def _owned(held: set[int], handle: int, what: str) -> int:
-    if handle not in held:
-        raise UnknownHandleError(f"id: {what} {handle} is not held by this connection")
-    return handle
 
 
 def _columns(rows: Sequence[Location], **fields: int) -> dict[str, list[int]]:

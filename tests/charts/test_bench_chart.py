@@ -242,7 +242,7 @@ def test_master_and_two_workers_run_the_charts_command_lines(tmp_path: Path) -> 
     )
     master = find(docs, "Job", "-master")["spec"]["template"]["spec"]["containers"][0]
     worker = find(docs, "Job", "-workers")["spec"]["template"]["spec"]["containers"][0]
-    assert master["command"] == worker["command"] == ["flatcake", "loadgen", "bench"]
+    assert master["command"] == worker["command"] == ["flatcake", "loadgen", "staging"]
     assert worker["ports"] == [{"name": "metrics", "containerPort": 9646}]
     service = find(docs, "Service", "-loadgen")
     assert service["metadata"]["labels"]["flatcake.io/metrics"] == "true" and service["spec"]["clusterIP"] == "None"

@@ -199,6 +199,38 @@ def test_a_restore_in_flight_at_a_restart_ends_before_the_new_epoch_begins(
         agents[-1].stop()
 
 
+def test_a_restore_that_outlives_the_restarts_wait_counts_its_dram_pages_as_misses(tmp_path: Path) -> None:
+    """A restore (lease granted, pages not yet copied) is still open when the agent restarts and the new
+    agent's wait for it (agent.epoch_wait_s) runs out: the new agent starts, and its writer is given the
+    very DRAM slots the restore is about to copy. The restore counts those pages as misses; before, it
+    returned the new writer's bytes under the old keys, without error."""
+    # Room for two DRAM pages: the new writer's pages must take the old ones' slots.
+    config = small_config(tmp_path / "node", files=4, dram_bytes=2 * 4 * 4096, agent={"epoch_wait_s": 0.2})
+    agents = [AgentThread(config)]
+    reader = connect(config.agent.socket)
+    keys = ["old-0", "old-1"]
+    put(reader, keys, DRAM)
+    old = reader.catalog.conn.call("lookup", keys=keys)["gva"]  # type: ignore[attr-defined]
+    assert all(G.decode(g).medium is G.Medium.DRAM for g in old)
+    dest = np.zeros((4, 2, 4096), np.uint8)
+    restore = reader.get(keys, dest)  # holds the epoch until closed; nothing copied yet
+    try:
+        agents[0].stop()
+        agents.append(AgentThread(config))  # waits 0.2 s for the restore, then starts anyway
+        with connect(config.agent.socket) as other:
+            put(other, ["new-0", "new-1"], DRAM)
+            new = other.catalog.conn.call("lookup", keys=["new-0", "new-1"])["gva"]  # type: ignore[attr-defined]
+        assert set(new) == set(old)  # the fault is real: the new pages lie where the open restore points
+        with restore:
+            missing = restore.run()
+        assert set(missing) == {0, 1}, "DRAM pages copied across a restart were handed over as good"
+        assert reader.stats.get("epoch_rechecks") == 1
+    finally:
+        restore.close()
+        reader.io.close()
+        agents[-1].stop()
+
+
 @pytest.mark.parametrize("hints", [SSD, DRAM], ids=["ssd", "dram"])
 def test_a_lease_granted_before_a_restart_is_refused_before_anything_is_read(tmp_path: Path, hints: Hints) -> None:
     """The agent restarts between a reader's lease and its restore, and a new writer is given the very

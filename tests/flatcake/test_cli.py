@@ -9,6 +9,8 @@ import pytest
 
 import flatcake
 from flatcake import cli
+from flatcake.cli import common
+from flatcake.cli import trace as trace_cli
 from flatcake.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -43,13 +45,13 @@ def test_the_emulators_help_defaults_are_its_configs() -> None:
     from flatcake.loadgen.emulator.config import EmulatorConfig
 
     fields = {f.name: f.default for f in dataclasses.fields(EmulatorConfig)}
-    assert {k: fields[k] for k in cli.EMULATOR_DEFAULTS} == cli.EMULATOR_DEFAULTS
+    assert {k: fields[k] for k in common.EMULATOR_DEFAULTS} == common.EMULATOR_DEFAULTS
 
 
 def test_the_api_choices_are_the_load_generators() -> None:
     from flatcake.loadgen.replay.requests import APIS
 
-    assert list(APIS) == cli.API_CHOICES
+    assert list(APIS) == common.API_CHOICES
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -78,7 +80,7 @@ def test_errors_are_one_line_after_a_progress_bar(
         bar.update(3)
         raise ConfigError("trace: not a trace (give a JSONL file)")
 
-    monkeypatch.setattr(cli, "_trace_stats", failing)
+    monkeypatch.setattr(trace_cli, "_trace_stats", failing)
     assert cli.main(["trace", "stats", "x.jsonl"]) == ConfigError.exit_code
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == "flatcake: error: trace: not a trace (give a JSONL file)"  # a line of its own
@@ -91,7 +93,7 @@ def test_an_internal_error_is_one_line_unless_verbose(
     def broken(args: object) -> int:
         raise KeyError("slot")
 
-    monkeypatch.setattr(cli, "_trace_stats", broken)
+    monkeypatch.setattr(trace_cli, "_trace_stats", broken)
     assert cli.main(["trace", "stats", "x.jsonl"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == "flatcake: error: KeyError: 'slot' (internal error; run with -v for the traceback)"
@@ -116,3 +118,6 @@ def test_one_spelling_per_flag_the_old_ones_still_read() -> None:
     old = parse([*base, "--target", "http://127.0.0.1:8000", "--qps", "1", "2", "4"])
     assert new.target == old.target == "http://127.0.0.1:8000"
     assert [q for rates in new.qps for q in rates] == [q for rates in old.qps for q in rates] == [1.0, 2.0, 4.0]
+    # loadgen staging is the command's name (one meaning of "bench": flatcake bench X); bench still runs it.
+    staging = parse(["loadgen", "staging", *base[2:], "--host", "http://127.0.0.1:8000", "--qps", "1,2,4"])
+    assert staging.func is new.func and staging.target == new.target

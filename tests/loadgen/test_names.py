@@ -3,19 +3,21 @@ name means one thing, and earlier spellings still work."""
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
+
 import pytest
 
 from flatcake.errors import ConfigError
 from flatcake.loadgen import names
 from flatcake.loadgen.bench import context, e2e, peers
-from flatcake.loadgen.simulate import cluster as simulated
-from flatcake.loadgen.systems import SYSTEMS
+from flatcake.loadgen.simulate import systems as simulated
 
 pytestmark = pytest.mark.unit
 
 
 def test_each_bench_runs_the_registrys_names() -> None:
-    assert set(SYSTEMS) == set(names.names("restore"))  # restore runs every in-process system
     assert names.names("peers") == peers.PEERS
     assert names.names("e2e") == e2e.SYSTEMS
     assert names.names("context") == context.SYSTEMS
@@ -58,3 +60,36 @@ def test_bench_serve_takes_the_systems_of_its_engine() -> None:
         serve.ServeConfig(engine="vllm", systems=("hicache-file",))
     with pytest.raises(ValueError, match="engine: 'tgi' must be one of sglang, vllm"):
         serve.ServeConfig(engine="tgi")
+
+
+def test_every_system_a_bench_builds_has_one_implementation_imported_only_when_used() -> None:
+    built = {*names.names("restore"), *names.names("peers"), *names.names("context")} - {"recompute"}
+    assert built == set(names.IMPLEMENTATIONS["system"])
+    assert set(names.IMPLEMENTATIONS["l3"]) == {"hicache-file", "hicache-mooncake"}  # e2e's real L3s
+    for role in names.IMPLEMENTATIONS.values():
+        for where in role.values():
+            module, _, attribute = where.partition(":")
+            assert importlib.util.find_spec(module) is not None and attribute, where
+    tiered = names.implementation("system", "tiered")
+    assert tiered.__name__ == "TieredSystem" and names.implementation("system", "tiered_naive").__name__ == (
+        "TieredNaiveSystem"
+    )  # earlier spellings too
+    with pytest.raises(ConfigError, match="'dram' has no l3 implementation; these do: hicache-file, hicache-mooncake"):
+        names.implementation("l3", "dram")
+    # The emulator's configuration (and the CLI's help) loads no system: the registry names them as strings.
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, flatcake.loadgen.emulator.config, flatcake.loadgen.systems; "
+         "print(sorted(m for m in sys.modules if m.startswith('flatcake.loadgen.systems.')))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert loaded == "['flatcake.loadgen.systems.hicache_rules']"
+
+
+def test_the_emulators_configuration_imports_no_numpy() -> None:
+    """The CLI and the operator-side tools read the emulator's configuration without the engine: no numpy
+    (it loaded numpy and 44 modules through the systems and the model presets)."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, flatcake.loadgen.emulator.config; print('numpy' in sys.modules)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert loaded == "False"

@@ -101,3 +101,7 @@ def test_the_crds_ship_in_the_wheel(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as z:
         for crd in sorted((ROOT / "crds").glob("*.yaml")):
             assert z.read(f"flatcake/crd_files/{crd.name}") == crd.read_bytes()
+        # and every source module, the CLI's package among them (the package list in pyproject.toml is by hand)
+        shipped = {n for n in z.namelist() if n.endswith(".py")}
+    assert {f"flatcake/cli/{p.name}" for p in (ROOT / "flatcake" / "cli").glob("*.py")} <= shipped
+    assert "flatcake/node_agent/catalog/interface.py" in shipped and "flatcake/loadgen/simulate/native.py" in shipped

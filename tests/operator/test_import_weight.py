@@ -51,3 +51,37 @@ def test_the_face_is_what_a_user_programs_against() -> None:
     assert set(face.__all__) - error_names == user
     for internal in ("ScopeTable", "Scheduler", "plan_restore", "decide", "LocalCatalog", "protocol"):
         assert not hasattr(face, internal), internal
+
+
+def test_the_faces_type_checking_imports_are_its_exports() -> None:
+    """The face keeps one list (``_EXPORTS``, name -> module); ``__all__`` is made from it, and the imports
+    type checkers read (under TYPE_CHECKING) must name the same names from the same modules."""
+    import ast
+    from pathlib import Path
+
+    import flatcake.node_agent as face
+
+    tree = ast.parse(Path(face.__file__).read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    typed = {a.name: imp.module for imp in guarded.body if isinstance(imp, ast.ImportFrom) for a in imp.names}
+    assert typed == face._EXPORTS
+    assert face.__all__ == sorted(face._EXPORTS)
+
+
+def test_every_public_method_on_the_face_says_what_it_does() -> None:
+    """What a user programs against is documented where they read it: each public method and property of
+    the face's classes has a docstring."""
+    import inspect
+
+    import flatcake.node_agent as face
+
+    bare = []
+    for name in face.__all__:
+        cls = getattr(face, name)
+        if not inspect.isclass(cls) or issubclass(cls, BaseException):
+            continue
+        for attr, value in vars(cls).items():
+            func = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+            if not attr.startswith("_") and callable(func) and not (func.__doc__ or "").strip():
+                bare.append(f"{name}.{attr}")
+    assert not bare, bare

@@ -114,9 +114,9 @@ class Cluster:
     async def report(
         self, node_name: str, *, ready: bool = True, ssd_used: int = 0, error: str = "", device_bytes: int = 1 << 40
     ) -> None:
-        """What the node's agent does: node_agent/node/cluster.py's reporter, with its own (blocking)
+        """What the node's agent does: node_agent/node/identity.py's reporter, with its own (blocking)
         client, run in a thread as in the agent."""
-        from flatcake.node_agent.node import cluster as R
+        from flatcake.node_agent.node import identity as R
 
         cm = await self.get(K.CONFIG_MAPS, f"{CACHE}-config")
         assert cm is not None

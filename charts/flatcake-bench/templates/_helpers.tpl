@@ -113,7 +113,7 @@ http://{{ include "bench.fullname" . }}-emulator:{{ .Values.emulator.port }}
 {{- end }}
 {{- end -}}
 
-{{/* The flatcake loadgen bench arguments both roles share (see loadgen/staging.py). */}}
+{{/* The flatcake loadgen staging arguments both roles share (see loadgen/bench/staging.py). */}}
 {{- define "bench.commonArgs" -}}
 - --host
 - {{ include "bench.target" . }}

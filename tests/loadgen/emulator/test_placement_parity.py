@@ -10,7 +10,7 @@ import pytest
 from flatcake.loadgen.emulator.config import EmulatorConfig, MiB
 from flatcake.loadgen.emulator.storage import Storage
 from flatcake.loadgen.simulate import workload
-from flatcake.loadgen.simulate.cluster import FlatCake
+from flatcake.loadgen.simulate.native import FlatCake
 from flatcake.loadgen.simulate.run import GiB, simulate
 from flatcake.loadgen.traces.formats import TraceRequest, write_trace
 from flatcake.node_agent import ChainSignals

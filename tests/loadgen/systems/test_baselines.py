@@ -147,7 +147,8 @@ def test_per_block_round_trip_one_file_per_page(tmp_path: Path) -> None:
 
 def test_flatcake_restores_the_stored_prefix_and_counts_the_rest_as_missed(tmp_path: Path) -> None:
     """A page no longer stored (a DRAM scope reclaimed since) is a miss to recompute, never an exception."""
-    from flatcake.loadgen.systems import FlatCakeSystem, SystemSpec
+    from flatcake.loadgen.systems.base import SystemSpec
+    from flatcake.loadgen.systems.flatcake import FlatCakeSystem
     from flatcake.node_agent import Hints
 
     spec = SystemSpec(

@@ -186,3 +186,19 @@ def test_users_are_independent_seeded_streams_merged_by_time() -> None:
     ]
     ids = [{h for r in both if r.session and r.session.startswith(f"u{k}-") for h in r.hash_ids} for k in (0, 1)]
     assert ids[0] and ids[1] and not ids[0] & ids[1]  # no shared blocks between users
+
+
+def test_the_bundled_trace_is_what_its_documented_recipe_makes(tmp_path: Path) -> None:
+    """docs/benchmarks.md and the data README give the command that made agentic_small.jsonl: it does."""
+    import re
+    import subprocess
+    import sys
+
+    data = Path(__file__).resolve().parents[3] / "loadgen" / "traces" / "data"
+    recipe = re.search(r"`flatcake (trace synth [^`]+)`", (data / "README.md").read_text().replace("\n  ", " "))
+    assert recipe is not None
+    out = tmp_path / "synth.jsonl"
+    subprocess.run([sys.executable, "-m", "flatcake.cli", *recipe.group(1).split(), "--out", str(out)], check=True,
+                   capture_output=True)  # fmt: skip
+    assert out.read_bytes() == (data / "agentic_small.jsonl").read_bytes()
+    assert recipe.group(1) in (data.parents[2] / "docs" / "benchmarks.md").read_text()

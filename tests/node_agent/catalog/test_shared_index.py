@@ -21,7 +21,8 @@ from flatcake.node_agent.catalog.recovery import recover
 from flatcake.node_agent.config import PlacementConfig
 from flatcake.node_agent.policy import keyindex
 from flatcake.node_agent.policy.placement import Hints
-from flatcake.node_agent.policy.scopes import Location, ScopeTable
+from flatcake.node_agent.policy.scope import Location
+from flatcake.node_agent.policy.scopes import ScopeTable
 
 pytestmark = pytest.mark.unit
 

@@ -176,3 +176,27 @@ def test_slots_taken_at_recovery_are_never_handed_out_and_repeats_are_refused() 
         a.take([2])
     a.release([3])
     assert a.alloc(1) == [3]
+
+
+@pytest.mark.parametrize("session", [1, 0], ids=["ssd", "dram"])
+def test_a_snapshot_holds_only_published_space_never_a_write_in_flight(tmp_path: Path, session: int) -> None:
+    """Compaction while a session's next turn is allocated but not yet published: the snapshot records the
+    space its published pages hold, not the reservation. The write then fails and another session's pages
+    take that space; a restart gives every scope back exactly its pages. (It recorded the reservation: a
+    restart then dropped the first session whole, its space claimed later by the other's record, or held
+    space no page was in.)"""
+    j = Journal(tmp_path / "j.log", "never")
+    c, keys = filled(j)
+    hints = DRAM if session == 0 else SSD
+    inflight = c.allocate([*keys[session], "turn-0", "turn-1"], hints)
+    assert inflight is not None
+    assert c.compact_journal(force=True)
+    c.abort(inflight.id)  # the write failed: its space goes back ...
+    other = c.allocate(["other-0", "other-1"], hints)  # ... and another session's pages take it
+    assert other is not None
+    c.publish(other.id, [1, 2])
+    j.close()
+    again = catalog()
+    r = recover(again, tmp_path / "j.log", None)
+    assert r.superseded_pages == 0 and again.exists(keys[session]) == len(keys[session])
+    assert state(again) == state(c)

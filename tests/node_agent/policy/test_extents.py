@@ -10,7 +10,8 @@ from flatcake.errors import PoolFullError
 from flatcake.node_agent.policy.extents import Extent, ExtentAllocator
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Decision, Reason
-from flatcake.node_agent.policy.scopes import Reservation, ScopeTable
+from flatcake.node_agent.policy.scope import Reservation
+from flatcake.node_agent.policy.scopes import ScopeTable
 
 pytestmark = pytest.mark.unit
 
@@ -35,7 +36,9 @@ def check_tiling(a: ExtentAllocator, used: list[Extent]) -> None:
             if nxt is not None:
                 assert not (is_free and nxt[1]), f"adjacent free runs {e} and {nxt[0]}"
         assert at == a.file_bytes
-    assert a._max == [max((e.length for e in free if e.file == f), default=0) for f in range(a.files)]
+    assert [a._largest(f) for f in range(a.files)] == [
+        max((e.length for e in free if e.file == f), default=0) for f in range(a.files)
+    ]
 
 
 ops = st.lists(

@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 from flatcake.errors import PoolFullError
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.placement import Decision, Reason
-from flatcake.node_agent.policy.scopes import ScopeTable, Victim, plan_reclaim
+from flatcake.node_agent.policy.reclaim import Victim, plan_reclaim
+from flatcake.node_agent.policy.scopes import ScopeTable
 
 pytestmark = pytest.mark.unit
 

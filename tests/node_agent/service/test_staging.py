@@ -1,4 +1,4 @@
-"""The staging buffer an agent restores SSD pages into for other nodes (service/peers.py): first fit."""
+"""The staging buffer an agent restores SSD pages into for other nodes (service/peer_service.py): first fit."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from flatcake.errors import CapacityError
 from flatcake.node_agent.datapath.buffers import aligned_empty
-from flatcake.node_agent.service.peers import Staging
+from flatcake.node_agent.service.peer_service import Staging
 
 pytestmark = pytest.mark.unit
 

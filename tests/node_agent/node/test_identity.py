@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from flatcake.node_agent.config import ClusterConfig
-from flatcake.node_agent.node import cluster as R
+from flatcake.node_agent.node import identity as R
 from flatcake.node_agent.node import prepare as P
 from flatcake.node_agent.service.server import Agent
 from tests.support.engines import small_config

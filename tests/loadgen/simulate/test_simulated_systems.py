@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from flatcake.loadgen.models import preset
-from flatcake.loadgen.simulate.cluster import FlatCake, Tiered
+from flatcake.loadgen.simulate.native import FlatCake
 from flatcake.loadgen.simulate.run import GiB, MiB, simulate
+from flatcake.loadgen.simulate.sglang_rules import Tiered
 from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.loadgen.traces.formats import TraceRequest, write_trace
 from flatcake.node_agent import PlacementConfig
@@ -267,7 +268,7 @@ def test_flatcake_as_it_ships_runs_sglangs_rules_over_the_agents_catalog(tmp_pat
     """The shipped FlatCake in the simulator: SGLang's scheduling and prefetch (Tiered's) with the agent's
     catalog as the L3 under half the DRAM budget's host tier; its SSD pages are read by the engine's
     coalesced plan (fewer commands a page than the tiered log's whole-page reads), placed by Table 2."""
-    from flatcake.loadgen.simulate.cluster import ShippedFlatCake
+    from flatcake.loadgen.simulate.sglang_rules import ShippedFlatCake
 
     trace = sessions_trace(tmp_path / "t.jsonl")
     cfg = small(trace, dram_bytes=8 * GiB)

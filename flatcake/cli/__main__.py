@@ -1,0 +1,7 @@
+"""``python -m flatcake.cli``."""
+
+import sys
+
+from flatcake.cli import main
+
+sys.exit(main())
