@@ -100,12 +100,3 @@ API_CHOICES = ["openai", "chat", "sglang"]
 
 
 API_HELP = "openai: /v1/completions, chat: /v1/chat/completions, sglang: /generate"
-
-
-# EmulatorConfig's defaults, for --help without importing the emulator (numpy, aiohttp) on every
-# command; tests/flatcake/test_cli.py checks they are the dataclass's.
-EMULATOR_DEFAULTS = {
-    "hbm_bytes": 16 << 20, "dram_bytes": 64 << 20, "ssd_bytes": 2048 << 20, "scope_file_bytes": 8 << 20,
-    "prefill_tokens_per_s": 100_000.0, "decode_tokens_per_s": 200.0, "layers": 4, "page_tokens": 256,
-    "bytes_per_token_layer": 64,
-}  # fmt: skip

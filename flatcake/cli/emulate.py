@@ -6,8 +6,11 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from flatcake.cli.common import EMULATOR_DEFAULTS, _port, _size_arg
+from flatcake.cli.common import _port, _size_arg
 from flatcake.loadgen import names
+
+# Its defaults, shown in --help: importing the configuration loads no numpy (tests/loadgen/test_names.py).
+from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.node_agent.constants import PLACEMENT_MODES, SCHEDULER_POLICIES
 
 if TYPE_CHECKING:
@@ -15,7 +18,6 @@ if TYPE_CHECKING:
 
 
 def _emulate(args: argparse.Namespace) -> int:
-    from flatcake.loadgen.emulator.config import EmulatorConfig
     from flatcake.loadgen.emulator.server import serve
 
     fields = {k: v for k, v in vars(args).items() if k in EmulatorConfig.__dataclass_fields__ and v is not None}
@@ -60,7 +62,8 @@ def add(sub: Subparsers) -> None:
     for name, kind in numbers:
         field = name.replace("-", "_")  # unset: EmulatorConfig's default, shown here
         unit = "a size, e.g. 64GiB or a byte count " if name in sizes else ""
-        emulate.add_argument(f"--{name}", type=kind, dest=field, help=f"{unit}(default: {EMULATOR_DEFAULTS[field]})")
+        default = EmulatorConfig.__dataclass_fields__[field].default
+        emulate.add_argument(f"--{name}", type=kind, dest=field, help=f"{unit}(default: {default})")
     emulate.add_argument(
         "--l3",
         choices=names.L3_BACKENDS,
