@@ -9,9 +9,8 @@ free run holds the write is it split across runs. Space is reclaimed a whole sco
 (least recently used) unpinned scope first, so a live session never loses part of its prefix; freed
 extents merge with free neighbours.
 
-The index (``keyindex.KeyIndex``) maps each page's key digest to its scope, address, stride and
-crc32; a scope lists its pages' digests (``keyindex.Pages``). No key object is kept per page: see
-policy/keyindex.py for the memory this saves and the collision argument.
+The index (``keyindex.KeyIndex``) maps each page's key digest to its scope, address, stride and crc32;
+a scope lists its pages' digests (``keyindex.Pages``): no key object per page (policy/keyindex.py).
 
 Concurrency contract: writers (reserve, publish, abort, reclaim, pin) hold ``self.lock``. Readers call
 ``lookup``/``hit_prefix`` without a lock: each index slot is read under its sequence number (a
@@ -19,13 +18,12 @@ seqlock), entries are inserted only after their bytes are written (publish after
 is deleted before its space can be reused (reclaim happens under the lock, and only for unpinned
 scopes). A reader that wants to read bytes pins first; ``pin`` re-validates each entry under the lock.
 
-DRAM copies (``placement.mode: copies``): an SSD scope's pages may also have clean copies in DRAM slots,
-in a second index (``copy_index``) only ``pin`` consults; the journal and recovery never see them (a
-copy is never the only copy). Admission: ``adaptive.ReuseModel.copy_pays``; docs/architecture.md.
+DRAM copies (``placement.mode: copies``): clean DRAM copies of SSD pages, in an index only ``pin`` reads
+(``copy_index``); never journaled, never the only copy (``adaptive.ReuseModel.copy_pays``).
 
-Why one module of this size: the scope table, allocation, publish and reclaim keep one invariant
-together (a scope's pages, index entries and extents are freed at once, never under a pin), and it
-is checked in one place; the index (keyindex.py) and extents (extents.py) are apart.
+Why one module of this size: allocation, publish and reclaim keep one invariant together (a scope's
+pages, index entries and space are freed at once, never under a pin); its records, the index, extents
+and reclaim's plan are apart (scope.py, keyindex.py, extents.py, reclaim.py).
 """
 
 from __future__ import annotations
@@ -597,8 +595,7 @@ class ScopeTable:
 
     def unindex(self, d: npt.NDArray[np.uint64]) -> None:
         """Recovery only: remove these pages' entries (of scopes ``adopt`` refused) from the index."""
-        with self.lock:
-            self.index.remove((d[:, 0], d[:, 1]))
+        self.index.remove((d[:, 0], d[:, 1]))  # after load_index, before serving: no other writer
 
     def _adapt(self, decision: Decision, parent: Scope | None, digests: Digests) -> tuple[Decision, int | None]:
         """Adaptive placement: Table 2's ``decision`` corrected by the session's reuse distance. That is
