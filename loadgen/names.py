@@ -110,7 +110,7 @@ def markdown_table() -> str:
 
 # Where a system is built, per role: "system" is ``systems.base.System`` (the restore, peers and context
 # benches: ``cls(directory, spec)``); "l3" is a ``PageStore`` the emulator's tiered mode puts below
-# SGLang's host tier (``cls(root, layers, page_bytes, ...)``).
+# SGLang's host tier (``cls(root, layers, page_bytes, ...)``); "simulate" is the simulator's model.
 IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "system": {
         "flatcake": "flatcake.loadgen.systems.sglang:FlatCakeSGLangSystem",
@@ -124,6 +124,12 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "l3": {
         "hicache-file": "flatcake.loadgen.systems.sglang:HiCacheFilePages",
         "hicache-mooncake": "flatcake.loadgen.systems.mooncake:MooncakePages",
+    },
+    "simulate": {  # the simulator's models of each system: ``cls(cluster, loop)``
+        "flatcake": "flatcake.loadgen.simulate.sglang_rules:ShippedFlatCake",
+        "flatcake-native": "flatcake.loadgen.simulate.native:FlatCake",
+        "tiered": "flatcake.loadgen.simulate.sglang_rules:Tiered",
+        "dram": "flatcake.loadgen.simulate.sglang_rules:HostTierOnly",
     },
 }
 

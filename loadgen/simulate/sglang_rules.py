@@ -19,7 +19,7 @@ class Tiered(System):
     """SGLang HiCache's rules (loadgen/systems/hicache_rules.py): FCFS, prefetch at admission in 128-page batches
     by one I/O thread, declined at half the host pool in flight, stopped by the timeout policy."""
 
-    def __init__(self, c: Cluster, loop: EventLoop, l3: bool) -> None:
+    def __init__(self, c: Cluster, loop: EventLoop, l3: bool = True) -> None:
         super().__init__(c, loop)
         self.name = "tiered" if l3 else "dram"
         self.l3_enabled = l3
@@ -233,6 +233,13 @@ class Tiered(System):
 
     def counters(self) -> dict[str, Any]:
         return {"reclaimed_buckets": self.reclaimed_buckets, "invalidated_pages": self.invalidated_pages}
+
+
+class HostTierOnly(Tiered):
+    """SGLang HiCache's host tier alone (``dram``): ``Tiered`` with no storage below it."""
+
+    def __init__(self, c: Cluster, loop: EventLoop) -> None:
+        super().__init__(c, loop, l3=False)
 
 
 class ShippedFlatCake(Tiered):

@@ -66,6 +66,7 @@ def test_every_system_a_bench_builds_has_one_implementation_imported_only_when_u
     built = {*names.names("restore"), *names.names("peers"), *names.names("context")} - {"recompute"}
     assert built == set(names.IMPLEMENTATIONS["system"])
     assert set(names.IMPLEMENTATIONS["l3"]) == {"hicache-file", "hicache-mooncake"}  # e2e's real L3s
+    assert tuple(names.IMPLEMENTATIONS["simulate"]) == names.names("simulate")
     for role in names.IMPLEMENTATIONS.values():
         for where in role.values():
             module, _, attribute = where.partition(":")
