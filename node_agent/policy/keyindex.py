@@ -331,14 +331,7 @@ class KeyIndex:
         n = len(d[0])
         if not n:
             return
-        if len(stride) and int(np.max(stride)) >= 1 << 32:
-            raise ValueError(f"stride: {int(np.max(stride))} does not fit the index's 32 bits")
-        sc = np.broadcast_to(np.asarray(scope, np.uint32), (n,))
-        g, st, cr = (
-            np.asarray(gva, np.uint64),
-            np.asarray(stride, np.uint32),
-            np.asarray(crc, np.int64).astype(np.uint32),
-        )
+        sc, g, st, cr = _entry_columns(n, scope, gva, stride, crc)
         h = self.t.header
         if int(h[_LIVE]) + int(h[_TOMBS]) + n > self.t.slots * 3 // 4:
             self._rebuild(extra=n)
@@ -357,12 +350,9 @@ class KeyIndex:
         n = len(d[0])
         if not n:
             return
-        if len(stride) and int(np.max(stride)) >= 1 << 32:
-            raise ValueError(f"stride: {int(np.max(stride))} does not fit the index's 32 bits")
+        cols = _entry_columns(n, scope, gva, stride, crc)
         if n > self.t.slots * 3 // 4:
             self._rebuild(extra=n)
-        cols = (np.asarray(scope, np.uint32), np.asarray(gva, np.uint64), np.asarray(stride, np.uint32),
-                np.asarray(crc, np.int64).astype(np.uint32))  # fmt: skip
         left = _fill(self.t, d[0], d[1], *cols)
         if left.size:  # cannot happen in a table at most 3/4 full; say so rather than lose entries
             raise RuntimeError(f"key index load: {left.size} entries found no slot in {self.t.slots}")
@@ -401,6 +391,19 @@ class KeyIndex:
         h = self.t.header
         return {"slots": self.t.slots, "entries": int(h[_LIVE]), "tombstones": int(h[_TOMBS]),
                 "rebuilds": self.rebuilds, "complete": int(h[_COMPLETE])}  # fmt: skip
+
+
+def _entry_columns(n: int, scope: Any, gva: Any, stride: Any, crc: Any) -> tuple[U32, U64, U32, U32]:
+    """Entries' fields as the table stores them (``scope`` may be one id for all ``n``); a stride that
+    does not fit the slot's 32 bits is refused."""
+    if len(stride) and int(np.max(stride)) >= 1 << 32:
+        raise ValueError(f"stride: {int(np.max(stride))} does not fit the index's 32 bits")
+    return (
+        np.broadcast_to(np.asarray(scope, np.uint32), (n,)),
+        np.asarray(gva, np.uint64),
+        np.asarray(stride, np.uint32),
+        np.asarray(crc, np.int64).astype(np.uint32),
+    )
 
 
 def _place(t: Table, h1: U64, h2: U64, scope: U32, gva: U64, stride: U32, crc: U32) -> npt.NDArray[np.int64]:
