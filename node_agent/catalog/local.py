@@ -4,6 +4,7 @@ over the scope table. It implements ``catalog.interface.Catalog``, as the client
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -18,6 +19,7 @@ from flatcake.node_agent.catalog.interface import Allocation, Lease
 from flatcake.node_agent.catalog.journal import Journal, publish_record, snapshot_records
 from flatcake.node_agent.catalog.shared_index import SharedIndexWriter
 from flatcake.node_agent.config import PlacementConfig
+from flatcake.node_agent.policy.extents import Extent
 from flatcake.node_agent.policy.keyindex import U64, pack
 from flatcake.node_agent.policy.placement import Hints, Key, PlacementCounts, decide
 from flatcake.node_agent.policy.scope import CopyReservation, Location, Reservation, Scope, as_locations, key_digests
@@ -189,10 +191,24 @@ class LocalCatalog:
         freed. False when the digest (from ``pages_of``) no longer names that page."""
         return self.table.drop_page(digest, loc)
 
-    def adopt(self, scope: Scope, d: npt.NDArray[np.uint64]) -> None:
+    def warm(self) -> None:
+        """Recovery only: fault in the shared index's memory before ``adopted`` fills it."""
+        if self.index is not None:
+            self.index.warm()
+
+    def take_space(self, extents: list[Extent]) -> bool:
+        """Recovery only: every recovered scope's SSD space in one pass (``adopt(..., taken=True)`` then
+        skips it); False, nothing taken, when some of it overlaps or lies outside the pool: each scope
+        then takes its own, and the later of two claimants is refused."""
+        with self.table.lock, contextlib.suppress(ValueError):
+            self.table.ssd.take_all(extents)
+            return True
+        return False
+
+    def adopt(self, scope: Scope, d: npt.NDArray[np.uint64], taken: bool = False) -> None:
         """Serve a recovered scope again (recovery only), with its pages' key digests in publish order;
-        none is found until ``adopted``."""
-        self.table.adopt(scope, d)
+        none is found until ``adopted``. ``taken``: its SSD space was taken by ``take_space``."""
+        self.table.adopt(scope, d, taken)
 
     def adopted(self, d: npt.NDArray[np.uint64], scope: Any, gva: U64, stride: Any, crc: Any) -> None:
         """Index the recovered pages at once (recovery only, before anything is served: clients find none

@@ -90,11 +90,14 @@ class _Journaled:
     claims: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # SSD: file, start, end, record, scope
     slot_claims: dict[int, int] = field(default_factory=dict)  # DRAM slot -> scope that claimed it last
     pages: int = 0
-    parts: list[tuple[bytes, Any, Any, Any, Any]] = field(default_factory=list)  # kd, gva, stride, crc, owner
+    parts: list[tuple[bytes, Any, Any, Any]] = field(default_factory=list)  # kd, gva, stride, crc
+    # Each entry's scope and page count, in the journal's order: the owner column, built once at the end
+    # (a numpy call or three per record was a third of decoding an agentic tail).
+    owner_ids: list[int] = field(default_factory=list)
+    owner_pages: list[int] = field(default_factory=list)
 
     def add(self, seq: int, cols: tuple[bytes, Any, Any, Any], entries: list[_Entry]) -> None:
         at = self.pages
-        owners = []
         for sid, medium, n, extents, slots in entries:
             s = self.scopes.get(sid)
             if s is None:
@@ -107,11 +110,10 @@ class _Journaled:
             if slots:
                 s.slots.extend(slots)
                 self.slot_claims.update(dict.fromkeys(slots, sid))
-            owners.append((sid, n))
+            self.owner_ids.append(sid)
+            self.owner_pages.append(n)
             at += n
-        owner = np.repeat(np.fromiter((o for o, _ in owners), np.int64, len(owners)),
-                          np.fromiter((n for _, n in owners), np.int64, len(owners)))  # fmt: skip
-        self.parts.append((*cols, owner))
+        self.parts.append(cols)
         self.pages = at
 
     def columns(self) -> tuple[npt.NDArray[np.uint64], U64, npt.NDArray[np.int64], npt.NDArray[np.int64],
@@ -121,14 +123,16 @@ class _Journaled:
         if not parts:
             e = np.zeros(0, np.int64)
             return np.zeros((0, 2), np.uint64), e.astype(np.uint64), e, e, e
-        kd, gva, stride, crc, owner = zip(*parts, strict=True)
+        kd, gva, stride, crc = zip(*parts, strict=True)
+        owner = np.repeat(np.asarray(self.owner_ids, np.int64), np.asarray(self.owner_pages, np.int64))
+        self.owner_ids, self.owner_pages = [], []
         buf, at = bytearray(sum(map(len, kd))), 0  # writable: scopes keep views of it as their page lists
         for blob in kd:
             buf[at : at + len(blob)] = blob
             at += len(blob)
         d = np.frombuffer(buf, "<u8").reshape(-1, 2)
         return (d, np.concatenate(gva).astype(np.uint64), np.concatenate(stride).astype(np.int64),
-                np.concatenate(crc).astype(np.int64), np.concatenate(owner))  # fmt: skip
+                np.concatenate(crc).astype(np.int64), owner)  # fmt: skip
 
 
 def recover(
@@ -146,9 +150,13 @@ def recover(
     compaction are decoded one by one; the index is filled in one pass at the end."""
     out = out if out is not None else Recovered()
     started = time.monotonic()
+    # The index's memory is faulted in on the other core meanwhile (reading the journal holds the GIL,
+    # faulting does not): at 10M keys a first touch of the table was seconds on the restart's path.
+    warming = threading.Thread(target=catalog.warm, name="flatcake-recovery-warm")
+    warming.start()
     found = collect(journal_path, catalog.table.ssd.file_bytes, out)
     out.collect_seconds = time.monotonic() - started
-    adopt(catalog, found, read_page, out, str(journal_path))
+    adopt(catalog, found, read_page, out, str(journal_path), warming)
     out.done = True
     return out
 
@@ -183,7 +191,12 @@ def collect(journal_path: str | os.PathLike[str], file_bytes: int, out: Recovere
 
 
 def adopt(
-    catalog: LocalCatalog, found: _Journaled, read_page: Callable[[Location], int] | None, out: Recovered, where: str
+    catalog: LocalCatalog,
+    found: _Journaled,
+    read_page: Callable[[Location], int] | None,
+    out: Recovered,
+    where: str,
+    warming: threading.Thread | None = None,
 ) -> None:
     """Serve what ``collect`` found again. The journal may have lost a record (skipped as damaged), so a
     ``free`` may be missing and the freed scope come back over space a later scope was given: each byte
@@ -215,16 +228,24 @@ def adopt(
     cols = (d, owner, gva, stride, crc)
     if not served.all():  # pages of freed or dropped scopes: left out (a copy of the columns)
         cols = tuple(c[served] for c in cols)  # type: ignore[assignment]
+
     # The index is filled on the other core while the scopes are re-created (numpy releases the GIL): no
     # client is served before both end, and a scope whose space turns out taken loses its entries after.
-    indexing = threading.Thread(target=catalog.adopted, args=cols, name="flatcake-recovery-index")
+    def index() -> None:
+        if warming is not None:
+            warming.join()
+        catalog.adopted(*cols)
+
+    indexing = threading.Thread(target=index, name="flatcake-recovery-index")
     index_started = time.monotonic()
     indexing.start()
     refused = []
-    for sid, s, rows, n in kept:
-        scope = Scope(sid, s.medium, 0, extents=[Extent(f, o, e) for (f, o), e in s.ext.items()], slots=s.slots)
+    space = [[Extent(f, o, e) for (f, o), e in s.ext.items()] for _, s, _, _ in kept]
+    taken = catalog.take_space([e for extents in space for e in extents])  # else each scope takes its own
+    for (sid, s, rows, n), extents in zip(kept, space, strict=True):
+        scope = Scope(sid, s.medium, 0, extents=extents, slots=s.slots)
         try:
-            catalog.adopt(scope, d[rows])
+            catalog.adopt(scope, d[rows], taken)
         except ValueError as exc:  # space outside the pool or taken twice: never serve it
             log.error("%s: dropping scope %d: %s", where, sid, exc)
             out.superseded_pages += n

@@ -26,12 +26,15 @@ keeps indexing in private memory and retires the file: clients ask over the sock
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
 import mmap
 import os
 import platform
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -71,7 +74,36 @@ def seqlock_safe(machine: str | None = None) -> bool:
     return (platform.machine() if machine is None else machine).lower() in TSO_MACHINES
 
 
-__all__ = ["TSO_MACHINES", "SharedIndexReader", "SharedIndexWriter", "seqlock_safe"]
+__all__ = ["TSO_MACHINES", "SharedIndexReader", "SharedIndexWriter", "populate", "seqlock_safe"]
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in for writing, in one call
+
+
+def populate(a: npt.NDArray[Any]) -> None:
+    """Fault every page of ``a`` in for writing without changing its bytes: one ``madvise`` (through
+    ctypes, which lets other threads run meanwhile), else, on an older kernel, a no-op store per page."""
+    if not a.nbytes:
+        return
+    page = mmap.PAGESIZE
+    start = a.ctypes.data // page * page
+    length = a.ctypes.data + a.nbytes - start
+    if _libc() is not None and _libc().madvise(start, length, MADV_POPULATE_WRITE) == 0:
+        return
+    raw = a.reshape(-1).view(np.uint8) if a.flags.c_contiguous else None
+    if raw is not None:
+        step = raw[::page]
+        np.bitwise_or(step, 0, out=step)  # a store of the same byte: the page is faulted, nothing changes
+
+
+@functools.cache
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
 
 MAGIC = 0x32584449_4B434643  # "FCKCIDX2" little-endian (2: 128-bit digests, 32-bit sequence numbers)
 
@@ -134,8 +166,10 @@ class SharedIndexWriter(KeyIndex):
             with contextlib.suppress(OSError):  # reserve the tmpfs pages now rather than SIGBUS later
                 os.posix_fallocate(fd, 0, size)
             # Mapped in one go: faulting the pages in one by one as a restart's bulk load writes them cost
-            # 3 s for a 1 GiB table (10M keys) against 0.4 s here.
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            # 3 s for a 1 GiB table (10M keys) against 0.4 s populated. The first table is populated by
+            # ``warm`` instead, on the other core while recovery reads the journal.
+            populate = getattr(mmap, "MAP_POPULATE", 0) if self._live is not None else 0
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
             ino = os.fstat(fd).st_ino
         except BaseException:
             os.close(fd)
@@ -146,6 +180,13 @@ class SharedIndexWriter(KeyIndex):
         header[_MAGIC], header[_SLOTS], header[_COMPLETE], header[_EPOCH] = MAGIC, slots, 1, self.epoch
         del header
         return _Mapped(mm, str(tmp), writable=True, ino=ino)
+
+    def warm(self) -> None:
+        """Fault in the table's memory (the mapping and the agent's own columns) before a bulk load writes
+        it: recovery runs this beside reading the journal. On this project's VMs a first touch of 1 GiB
+        took 0.4 to 7 s, all of it on a 10M-key restart's path before."""
+        for column in (self.t.rows, self.t.scope, self.t.crc):
+            populate(column)
 
     def _install(self, new: Table) -> None:
         """Make ``new`` the table at ``path``, then retire the one it replaces (in that order, so a

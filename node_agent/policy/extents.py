@@ -31,6 +31,7 @@ capacity.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -139,6 +140,36 @@ class ExtentAllocator:
         starts = self._starts[ext.file]
         s = starts[bisect.bisect_right(starts, ext.offset) - 1]
         self._cut(ext.file, s, ext.offset, ext.length)
+
+    def take_all(self, extents: list[Extent]) -> None:
+        """Mark all of ``extents`` used in one pass (recovery of a whole journal): the allocator must be
+        wholly free, and the free runs become the complement of the sorted extents. Refuses, with
+        nothing changed, extents that are out of range or overlap one another; ``take`` one by one was
+        most of a 10M-key restart's scope rebuild (a bisect and a list insert per extent)."""
+        if self.free_bytes != self.capacity:
+            raise ValueError("take_all: the allocator is not empty; use take")
+        for ext in extents:
+            self._check(ext)
+        ordered = sorted(extents)
+        for a, b in itertools.pairwise(ordered):
+            if a.file == b.file and a.end > b.offset:
+                raise ValueError(f"extents {tuple(a)} and {tuple(b)} overlap")
+        starts: list[list[int]] = [[] for _ in range(self.files)]
+        runs: list[dict[int, int]] = [{} for _ in range(self.files)]
+        cursor = [0] * self.files  # end of the last used byte seen, per file
+        for f, off, n in ordered:
+            if off > cursor[f]:
+                starts[f].append(cursor[f])
+                runs[f][cursor[f]] = off - cursor[f]
+            cursor[f] = off + n
+        for f, end in enumerate(cursor):
+            if end < self.file_bytes:
+                starts[f].append(end)
+                runs[f][end] = self.file_bytes - end
+        self._starts, self._runs = starts, runs
+        self._max = [max(r.values(), default=0) for r in runs]
+        self._stale.clear()
+        self.free_bytes = self.capacity - sum(e.length for e in ordered)
 
     def release(self, ext: Extent) -> None:
         """Free ``ext`` and merge it with free neighbours; refuses a range that is partly free

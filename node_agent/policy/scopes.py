@@ -561,21 +561,20 @@ class ScopeTable:
             self._free_scope(scope, count=False)
             return True
 
-    def adopt(self, scope: Scope, d: npt.NDArray[np.uint64]) -> None:
-        """Re-create a scope found in the journal at start-up (its space must be free), with its pages'
-        key digests (``(pages, 2)``) in publish order; raises ValueError, with nothing taken, when its
-        space is outside the pool or not free. Its pages are found once ``load_index`` has indexed every
-        adopted scope's, in one pass."""
+    def adopt(self, scope: Scope, d: npt.NDArray[np.uint64], taken: bool = False) -> None:
+        """Re-create a scope found in the journal at start-up, with its pages' digests (``(pages, 2)``) in
+        publish order; its space must be free (or ``taken``: by recovery, all at once), else ValueError with
+        nothing kept. Its pages are found once ``load_index`` indexed every adopted scope's."""
         with self.lock:
-            taken: list[Extent] = []
+            mine: list[Extent] = []  # what this call took (an extent overlapping another finds it taken)
             try:
-                for ext in scope.extents:  # an extent overlapping another (or itself) finds it taken
+                for ext in [] if taken else scope.extents:
                     self.ssd.take(ext)
-                    taken.append(ext)
+                    mine.append(ext)
                 if scope.slots:
                     self.dram.take(scope.slots)
             except ValueError as exc:
-                for ext in taken:
+                for ext in scope.extents if taken else mine:
                     self.ssd.release(ext)
                 raise ValueError(f"scope {scope.id}: {exc}") from None
             self.scopes[scope.id] = scope
@@ -584,10 +583,8 @@ class ScopeTable:
             scope.last_used = next(self._clock)
 
     def load_index(self, d: npt.NDArray[np.uint64], scope: Any, gva: U64, stride: Any, crc: Any) -> None:
-        """Index the adopted pages (digests ``(pages, 2)`` and their columns) into the empty index, in one
-        sorted pass (keyindex ``load``): per 64K-entry ``put`` it was the largest part of a restart."""
-        # Not under ``lock``: recovery runs it beside ``adopt``, before anything else writes, and the index
-        # has no other writer then.
+        """Index the adopted pages in one sorted pass (keyindex ``load``); no lock: recovery runs it beside
+        ``adopt``, before anything else writes."""
         self.index.load((d[:, 0], d[:, 1]), scope, gva, stride, crc)
         if len(scope):  # new scopes are numbered past every adopted one
             with self.lock:

@@ -209,3 +209,27 @@ def test_publish_records_carry_digests_not_keys(tmp_path: Path) -> None:
     fresh = catalog(None)
     recover(fresh, tmp_path / "j.log", None)
     assert fresh.exists(keys) == 3
+
+
+@pytest.mark.unit
+def test_a_scope_outside_a_shrunk_pool_is_dropped_and_the_rest_served(tmp_path: Path) -> None:
+    """Recovery takes every scope's space in one pass; when the pool shrank under the journal (one file
+    fewer), that pass refuses and each scope takes its own: only the scope in the missing file is
+    dropped, the other served with its space, none of the dropped scope's left taken."""
+    j = Journal(tmp_path / "j.log", "never")
+    c = catalog(j)
+    for s in range(2):  # one 8-page session per file
+        keys = [f"s{s}-{i}" for i in range(8)]
+        alloc = c.allocate(keys, SSD_HINTS)
+        c.publish(alloc.id, [0] * 8)
+    j.close()
+    assert sorted(e.file for s in c.table.scopes.values() for e in s.extents) == [0, 1]
+    small = catalog(None, files=1)
+    r = recover(small, tmp_path / "j.log", None)
+    assert (r.scopes, r.pages, r.superseded_pages) == (1, 8, 8)
+    assert [e.file for s in small.table.scopes.values() for e in s.extents] == [0]
+    assert small.table.ssd.free_bytes == 0
+    assert small.exists([f"s1-{i}" for i in range(8)]) == 0 and small.exists([f"s0-{i}" for i in range(8)]) == 8
+    full = catalog(None)  # the same journal on the pool it was written for: taken in one pass
+    r = recover(full, tmp_path / "j.log", None)
+    assert (r.scopes, r.pages, r.superseded_pages) == (2, 16, 0) and allocation(full) == allocation(c)

@@ -106,6 +106,30 @@ def test_double_free_take_of_used_space_and_bad_ranges_are_refused() -> None:
     assert a.largest() == Extent(0, 0, 8 * A) and a.free_bytes == 14 * A
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3), st.lists(st.tuples(st.integers(0, 2), st.integers(0, 15), st.integers(1, 4)), max_size=24))
+def test_take_all_leaves_the_pool_as_taking_one_by_one_does(files: int, picks: list[tuple[int, int, int]]) -> None:
+    """Recovery's bulk take against ``take`` per extent: the same free runs, largest runs and free bytes;
+    an overlap (or a range outside the pool) refused by both, with nothing taken by ``take_all``."""
+    extents = [Extent(f % files, o * A, n * A) for f, o, n in picks]
+    one, bulk = ExtentAllocator(files, 16 * A), ExtentAllocator(files, 16 * A)
+    try:
+        for e in extents:
+            one.take(e)
+    except ValueError:
+        with pytest.raises(ValueError):
+            bulk.take_all(extents)
+        assert bulk.free_bytes == bulk.capacity and list(bulk.runs()) == [Extent(f, 0, 16 * A) for f in range(files)]
+        return
+    bulk.take_all(extents)
+    assert list(bulk.runs()) == list(one.runs()) and bulk.free_bytes == one.free_bytes
+    check_tiling(bulk, extents)
+    assert bulk.largest() == one.largest()
+    if extents:  # it serves only a fresh allocator
+        with pytest.raises(ValueError, match="not empty"):
+            bulk.take_all(extents)
+
+
 # ---- the scope table: puts, appends, aborts and reclaim in random order --------------------------
 LAYERS, PAGE = 2, A
 SPAN = LAYERS * PAGE
