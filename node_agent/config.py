@@ -123,6 +123,9 @@ class PrepareConfig:
 @dataclass(frozen=True)
 class AgentConfig:
     socket: str = "/run/flatcake/agent.sock"  # control socket, mode 0660
+    # The journal, the epoch file and the pool's owner lock; empty: ssd.dir. The operator puts it beside the
+    # pool, out of inference pods' mounts, so no pod can forge a record the agent trusts at its next start.
+    state_dir: str = ""
     # /metrics, /healthz and /readyz on loopback unless configured: an agent started by hand is not on
     # the network. In a cluster the DaemonSet passes the pod's IP (`agent serve --metrics-host`).
     metrics_host: str = "127.0.0.1"
@@ -317,6 +320,11 @@ class EngineConfig:
         if self.cluster.report_interval_s <= 0:
             raise ConfigError(f"cluster.report_interval_s: {self.cluster.report_interval_s} must be > 0")
         _one_of(self.io.backend, IO_BACKENDS, "io.backend")
+
+    @property
+    def state_dir(self) -> str:
+        """Where the journal, the epoch file and the pool's owner lock live (``agent.state_dir``)."""
+        return self.agent.state_dir or self.ssd.dir
 
     @property
     def dram_slots(self) -> int:

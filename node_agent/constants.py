@@ -15,8 +15,15 @@ MAX_NODE_ID = (1 << NODE_BITS) - 1
 
 HUGEPAGE_BYTES = {"2Mi": 2 << 20, "1Gi": 1 << 30}
 HUGEPAGE_SIZES = (*HUGEPAGE_BYTES, "none")
-HUGETLBFS_MOUNTS = {"2Mi": "/dev/hugepages", "1Gi": "/dev/hugepages1G"}
-"""Where a node mounts hugetlbfs for each page size (1 GiB pages need their own mount)."""
+
+CLIENT_ID_ENV = "FLATCAKE_CLIENT_ID"
+"""Who a client says it is (``register``'s ``client``; the webhook sets it to the pod's namespace/name): the
+key of ``agent.max_clients_per_process`` for a client whose pid the agent cannot see (another PID
+namespace: every pod, under the operator). Fairness, not authentication: the kernel's pid wins where seen."""
+JOURNAL_FILE = "journal.log"
+EPOCH_FILE = "epoch"
+"""The agent's state files, in ``agent.state_dir`` (catalog/state_dir.py); the operator mounts the epoch
+file read-only into inference pods (their writes hold it), the journal nowhere."""
 
 SCHEDULER_POLICIES = ("mas", "fcfs")
 PLACEMENT_MODES = (

@@ -4,10 +4,12 @@ A pod labelled ``flatcake.io/cache: NAME`` (the cache in the pod's namespace, or
 ``flatcake.io/cache-namespace`` annotation names) gets what its SGLang backend needs to reach the
 node agent, which users otherwise wired by hand:
 
-- the host paths the backend uses, at the same paths: the agent's run directory (its socket and the
-  shared DRAM pool file), the pool directory (the backend reads the pool files itself), and the
-  hugetlbfs mount when the DRAM pool is in hugepages;
-- ``FLATCAKE_SOCKET``, ``FLATCAKE_HICACHE_EXTRA_CONFIG`` (the JSON SGLang's
+- the host paths the backend uses, at the same paths: the agent's run directory (its socket, the
+  shared DRAM pool file and index, the cache's own hugetlbfs when the pool is in hugepages), the pool
+  files' directory (the backend reads and writes them itself) and, read-only, the epoch file (held
+  while it writes or restores); never the journal, nor the node's /dev/hugepages;
+- ``FLATCAKE_CLIENT_ID`` (the pod's namespace/name: the agent caps connections per pod by it, since it
+  cannot see a pod's pid), ``FLATCAKE_SOCKET``, ``FLATCAKE_HICACHE_EXTRA_CONFIG`` (the JSON SGLang's
   ``--hicache-storage-backend-extra-config`` takes; Kubernetes expands ``$(FLATCAKE_HICACHE_EXTRA_CONFIG)``
   in a container's args) and ``FLATCAKE_VLLM_KV_TRANSFER_CONFIG`` (vLLM's ``--kv-transfer-config`` for
   FlatCake's connector) in every container;
@@ -27,6 +29,8 @@ import copy
 import json
 from collections.abc import Mapping
 from typing import Any
+
+from flatcake.node_agent.constants import CLIENT_ID_ENV
 
 CACHE_LABEL = "flatcake.io/cache"
 NAMESPACE_ANNOTATION = "flatcake.io/cache-namespace"
@@ -76,31 +80,41 @@ def for_tenant(wiring: Mapping[str, Any], tenant: str) -> dict[str, Any]:
 def mutate(pod: Mapping[str, Any], wiring: Mapping[str, Any]) -> dict[str, Any]:
     """The pod's ``spec`` with the cache's wiring added (a copy; the pod is not changed).
 
-    ``wiring``: ``run_dir``, ``pool_root``, ``hugetlbfs_dir`` (or None), ``socket``, ``extra_config``
+    ``wiring``: ``run_dir``, ``pool_dir``, ``epoch_file``, ``socket``, ``extra_config``
     (SGLang's backend extra config), ``vllm_config`` (vLLM's kv-transfer config), ``ready_label`` and
     ``gid`` (or None), from the cache's
     rendered configuration (operator/render.py ``pod_wiring``)."""
     spec = copy.deepcopy(dict(pod.get("spec") or {}))
-    paths = {"run": wiring["run_dir"], "pool": wiring["pool_root"]}
-    if wiring.get("hugetlbfs_dir"):
-        paths["hugepages"] = wiring["hugetlbfs_dir"]
+    # name -> host path, its hostPath type, and how it is mounted (the same path inside)
+    shares: dict[str, tuple[str, str, dict[str, Any]]] = {
+        "run": (wiring["run_dir"], "Directory", {"mountPropagation": "HostToContainer"}),  # hugetlbfs below
+        "pool": (wiring["pool_dir"], "Directory", {}),
+        "epoch": (wiring["epoch_file"], "File", {"readOnly": True}),
+    }
     volumes = spec.setdefault("volumes", [])
     have = {v.get("name") for v in volumes}
-    for short, path in paths.items():
+    for short, (path, kind, _) in shares.items():
         if PREFIX + short not in have:
-            volumes.append({"name": PREFIX + short, "hostPath": {"path": path, "type": "Directory"}})
-    env = {"FLATCAKE_SOCKET": wiring["socket"],
-           "FLATCAKE_HICACHE_EXTRA_CONFIG": json.dumps(dict(wiring["extra_config"]), sort_keys=True),
-           "FLATCAKE_VLLM_KV_TRANSFER_CONFIG": json.dumps(dict(wiring["vllm_config"]), sort_keys=True)}  # fmt: skip
+            volumes.append({"name": PREFIX + short, "hostPath": {"path": path, "type": kind}})
+    env: list[dict[str, Any]] = [
+        {"name": "FLATCAKE_SOCKET", "value": wiring["socket"]},
+        {"name": "FLATCAKE_HICACHE_EXTRA_CONFIG", "value": json.dumps(dict(wiring["extra_config"]), sort_keys=True)},
+        {"name": "FLATCAKE_VLLM_KV_TRANSFER_CONFIG", "value": json.dumps(dict(wiring["vllm_config"]), sort_keys=True)},
+        # Who the pod is, for the agent's per-client cap (it cannot see a pod's pid): namespace/name, from the
+        # downward API; the last one refers to the two before it, which Kubernetes expands in order.
+        {"name": "FLATCAKE_POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "FLATCAKE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": CLIENT_ID_ENV, "value": "$(FLATCAKE_POD_NAMESPACE)/$(FLATCAKE_POD_NAME)"},
+    ]
     for container in spec.get("containers") or []:
         mounts = container.setdefault("volumeMounts", [])
         mounted = {m.get("mountPath") for m in mounts} | {m.get("name") for m in mounts}
-        for short, path in paths.items():
+        for short, (path, _, how) in shares.items():
             if path not in mounted and PREFIX + short not in mounted:
-                mounts.append({"name": PREFIX + short, "mountPath": path})
+                mounts.append({"name": PREFIX + short, "mountPath": path, **how})
         variables = container.setdefault("env", [])
         named = {e.get("name") for e in variables}
-        variables.extend({"name": k, "value": v} for k, v in env.items() if k not in named)
+        variables.extend(e for e in env if e["name"] not in named)
     _require_ready_node(spec, wiring["ready_label"])
     if wiring.get("gid") is not None:
         groups = spec.setdefault("securityContext", {}).setdefault("supplementalGroups", [])

@@ -13,7 +13,7 @@ from typing import Any
 
 from flatcake.errors import ConfigError
 from flatcake.node_agent.config import EngineConfig
-from flatcake.node_agent.constants import HUGETLBFS_MOUNTS, SGLANG_BACKEND, VLLM_CONNECTOR
+from flatcake.node_agent.constants import EPOCH_FILE, HUGEPAGE_BYTES, SGLANG_BACKEND, VLLM_CONNECTOR
 from flatcake.operator.spec import (
     CONFIG_HASH_ANNOTATION,
     GROUP,
@@ -111,6 +111,17 @@ def socket_path(cache: Cache) -> str:
     return f"{run_dir(cache)}/agent.sock"
 
 
+def hugetlbfs_dir(spec: CacheSpec, cache: Cache) -> str | None:
+    """The cache's own hugetlbfs (prepare mounts it, limited to the cache's pages), inside its run
+    directory: its pods see it and no other cache's pool. None for a DRAM pool in ordinary pages."""
+    return f"{run_dir(cache)}/hugepages" if spec.hugepage_size in HUGEPAGE_BYTES else None
+
+
+def state_dir(spec: CacheSpec, cache: Cache) -> str:
+    """The journal, epoch and owner lock: beside the pool files, in a directory pods do not mount."""
+    return f"{pool_root(spec, cache)}/state"
+
+
 def pool_root(spec: CacheSpec, cache: Cache) -> str:
     """The host directory holding this cache's pool: a mounted array, or below the given directory."""
     if spec.devices:
@@ -136,7 +147,7 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
             "bytes": spec.dram_bytes,
             "huge_pages": huge,
             "shm_dir": run_dir(cache),
-            "hugetlbfs_dir": HUGETLBFS_MOUNTS.get(spec.hugepage_size),
+            "hugetlbfs_dir": hugetlbfs_dir(spec, cache),
             "name": f"flatcake-{cache.instance}",
             "pinned": spec.pinned,
         },
@@ -157,6 +168,10 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
             "staging_layers": spec.staging_layers,
             "staging_slot_bytes": spec.staging_slot_bytes,
             "streams": spec.streams,
+            # Inference pods write pages into the shared pool themselves, so a DRAM page too is checked against
+            # the crc32 it was published with before it is served (a pod's stray write is a miss, not a wrong
+            # page; ISA-L's crc32 costs little next to the copy). An accident check, not a MAC.
+            "verify_reads": "all",
         },
         "placement": {
             "mode": spec.placement_mode,
@@ -166,6 +181,7 @@ def engine_config(spec: CacheSpec, cache: Cache, wipe: bool = False) -> dict[str
         },
         "agent": {
             "socket": socket_path(cache),
+            "state_dir": state_dir(spec, cache),
             # Each pod binds its own IP (`agent serve --metrics-host $(POD_IP)`, below): the ConfigMap is
             # shared by every node, and the default (loopback) is what an agent run by hand gets.
             "metrics_host": "127.0.0.1",
@@ -283,12 +299,13 @@ def node_ids_map(cache: Cache, ids: dict[str, int]) -> dict[str, Any]:
 
 def pod_wiring(spec: CacheSpec, cache: Cache) -> dict[str, Any]:
     """What an inference pod using this cache needs (operator/inject.py adds it): the same host paths
-    and socket as the agents', SGLang's backend extra config, the ready label, the files' group."""
+    and socket as the agents' (the run directory with the cache's own hugetlbfs, the pool files, the
+    epoch file to read), SGLang's backend extra config, the ready label, the files' group."""
     socket = socket_path(cache)
     return {
         "run_dir": run_dir(cache),
-        "pool_root": pool_root(spec, cache),
-        "hugetlbfs_dir": HUGETLBFS_MOUNTS.get(spec.hugepage_size),
+        "pool_dir": f"{pool_root(spec, cache)}/pool",
+        "epoch_file": f"{state_dir(spec, cache)}/{EPOCH_FILE}",
         "socket": socket,
         "extra_config": {**SGLANG_BACKEND, "socket": socket},
         "vllm_config": {**VLLM_CONNECTOR, "kv_connector_extra_config": {"socket": socket}},
@@ -307,13 +324,10 @@ def _host_volumes(spec: CacheSpec, cache: Cache) -> tuple[list[dict[str, Any]], 
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "node-ids", "mountPath": NODE_IDS_DIR, "readOnly": True},
-        {"name": "run", "mountPath": run_dir(cache)},
+        # HostToContainer: the mounts prepare makes below them (the cache's hugetlbfs, the XFS) reach the agent.
+        {"name": "run", "mountPath": run_dir(cache), "mountPropagation": "HostToContainer"},
         {"name": "pool", "mountPath": pool_root(spec, cache), "mountPropagation": "HostToContainer"},
     ]
-    if spec.hugepage_size in HUGETLBFS_MOUNTS:
-        path = HUGETLBFS_MOUNTS[spec.hugepage_size]
-        volumes.append({"name": "hugepages", "hostPath": {"path": path, "type": "Directory"}})
-        mounts.append({"name": "hugepages", "mountPath": path})
     return volumes, mounts
 
 
@@ -332,8 +346,8 @@ def daemon_set(spec: CacheSpec, cache: Cache, config: dict[str, Any]) -> dict[st
     config_arg = ["--config", f"{CONFIG_DIR}/{CONFIG_KEY}"]
     prepare_mounts = [dict(m) for m in mounts]
     for m in prepare_mounts:
-        if m["name"] == "pool":
-            m["mountPropagation"] = "Bidirectional"  # the mount it makes must be visible to the host
+        if m["name"] in ("pool", "run"):
+            m["mountPropagation"] = "Bidirectional"  # the mounts it makes (XFS, hugetlbfs) must reach the host
     shares_volume, shares_mount = _shares_volume()
     prepare_mounts += [{"name": "dev", "mountPath": "/dev"}, {"name": "sys", "mountPath": "/sys"}, shares_mount]
     node_env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]

@@ -16,7 +16,7 @@ from kubernetes.utils.quantity import parse_quantity as parse_k8s_quantity
 
 from flatcake.errors import ConfigError
 from flatcake.node_agent import geometry
-from flatcake.node_agent.constants import HUGEPAGE_BYTES, HUGETLBFS_MOUNTS, MAX_NODE_ID
+from flatcake.node_agent.constants import HUGEPAGE_BYTES, MAX_NODE_ID
 from flatcake.operator import scheduling
 
 GROUP = "flatcake.io"
@@ -307,7 +307,7 @@ def agent_resources(spec: CacheSpec) -> Resources:
     agent on its first large put)."""
     floor = AGENT_MEMORY_BYTES
     derived: dict[str, str] = {}
-    if spec.hugepage_size in HUGETLBFS_MOUNTS and spec.dram_bytes:
+    if spec.hugepage_size in HUGEPAGE_BYTES and spec.dram_bytes:
         derived[f"hugepages-{spec.hugepage_size}"] = str(spec.dram_bytes)
     else:
         floor += spec.dram_bytes

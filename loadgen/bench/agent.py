@@ -50,6 +50,7 @@ from flatcake.node_agent import (
 )
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.catalog.shared_index import SharedIndexWriter
+from flatcake.node_agent.constants import JOURNAL_FILE
 from flatcake.node_agent.datapath.engine import local_table
 from flatcake.node_agent.datapath.file_pool import create_pool
 from flatcake.node_agent.policy.gva import Medium
@@ -456,7 +457,7 @@ def restart_at_keys(model: str, keys: int, root: Path, log: Callable[[str], None
     fill_s += _fill_then_kill(cfg, root, agentic_turns)
     last = max(grown, key=lambda i: (grown[i], i)) if grown else puts - 1
     probe = sglang_keys(f"keys-{last}", grown.get(last, 1) - 1, 1)
-    journal_bytes = sum(f.stat().st_size for f in Path(cfg.ssd.dir).glob("journal*"))
+    journal_bytes = sum(f.stat().st_size for f in Path(cfg.state_dir).glob("journal*"))
     with _restarted(cfg, root, probe) as (serving, agent, conn):
         rss = _rss_bytes(agent.pid)
         rec = conn.call("stats")["recovered"]
@@ -484,7 +485,7 @@ def journal_soak(puts: int, root: Path) -> dict[str, Any]:
         ssd=SsdConfig(dir=str(root / "pool"), file_bytes=1 << 20, file_count=16, high_watermark=0.9,
                       low_watermark=0.8),
     )  # fmt: skip
-    journal = Path(cfg.ssd.dir) / "journal.log"
+    journal = Path(cfg.state_dir) / JOURNAL_FILE
 
     def live(conn: AgentConnection) -> int:
         return sum(m["scopes"] for m in conn.call("stats")["usage"].values())

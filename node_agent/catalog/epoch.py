@@ -1,4 +1,5 @@
-"""The agent's epoch: a number in ``ssd.dir/epoch``, raised at every agent start before it serves.
+"""The agent's epoch: a number in ``agent.state_dir/epoch`` (``ssd.dir`` when unset), raised at every
+agent start before it serves.
 
 Allocations carry the epoch they were made in. Clients write pool bytes themselves, so a client that
 allocated before an agent restart could otherwise finish its write afterwards, into space the new
@@ -33,10 +34,10 @@ import time
 from pathlib import Path
 
 from flatcake.node_agent.catalog.files import fsync_dir, share_fd
+from flatcake.node_agent.constants import EPOCH_FILE
 
 log = logging.getLogger(__name__)
 
-EPOCH_FILE = "epoch"
 _EPOCH = struct.Struct("<Q")
 
 

@@ -134,7 +134,8 @@ class Journal:
                 self._cut(start)
                 raise StorageWriteError(
                     exc.errno, f"journal {self.path}: append failed ({exc.strerror or exc}); nothing was published. "
-                    "Free space on the journal's filesystem (ssd.dir) or replace the failing device",
+                    "Free space on the journal's filesystem (agent.state_dir, else ssd.dir) or replace the failing "
+                    "device",
                 ) from exc  # fmt: skip
             self._size = start + n
             self.records += 1

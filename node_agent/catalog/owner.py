@@ -3,7 +3,8 @@ replace the shared index before it failed to bind, leaving the first agent fence
 Now the agent first takes an exclusive lock on a file in the pool directory and one beside the DRAM pool's
 file, before it touches either, and writes its pid there: a second agent is refused at once, naming the
 holder's pid and the pool. The kernel drops the locks with the process, so a killed agent never leaves one
-behind."""
+behind. The lock files are the agent's alone (mode 0600, not the pool's group): an inference pod given the
+group could otherwise hold one and keep the agent from starting."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import os
 from pathlib import Path
 
 from flatcake.errors import ConfigError
-from flatcake.node_agent.catalog.files import share_fd
 
 LOCK_FILE = "agent.lock"
 
@@ -29,8 +29,8 @@ class PoolOwner:
         self._fds, self.paths, self._created = fds, paths, created
 
     @classmethod
-    def take(cls, paths: list[Path], gid: int = -1) -> PoolOwner:
-        """Lock every path (created 0660, group ``gid``), or refuse naming the agent that holds one."""
+    def take(cls, paths: list[Path]) -> PoolOwner:
+        """Lock every path (mode 0600), or refuse naming the agent that holds one."""
         fds: list[int] = []
         created: list[Path] = []
         try:
@@ -38,19 +38,19 @@ class PoolOwner:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 if not path.exists():
                     created.append(path)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o660)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
                 fds.append(fd)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                    field = "ssd.dir" if path.name == LOCK_FILE else "dram.name"
+                    field = "agent.state_dir (ssd.dir when unset)" if path.name == LOCK_FILE else "dram.name"
                     raise ConfigError(
                         f"{field}: {path.parent} is served by another flatcake agent (pid {holder}, lock {path}); "
-                        "stop that agent first, or give this one its own ssd.dir and dram.name"
+                        "stop that agent first, or give this one its own ssd.dir (and agent.state_dir) and dram.name"
                     ) from None
             for fd in fds:  # every lock held: only now say who holds them
-                share_fd(fd, gid)
+                os.fchmod(fd, 0o600)  # also a file an older agent made 0660
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except BaseException:

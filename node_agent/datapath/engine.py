@@ -202,7 +202,7 @@ class Engine:
             pages[...] = kv[:, new]
         try:
             # An agent's allocation: held against a restart from the epoch check to the last byte.
-            with E.held(self.config.ssd.dir) if alloc.epoch else contextlib.nullcontext(0) as now:
+            with E.held(self.config.state_dir) if alloc.epoch else contextlib.nullcontext(0) as now:
                 self._fence(alloc, now)
                 self._write(alloc, pages)
         except FencedError:
@@ -379,7 +379,7 @@ class Engine:
         agent that granted it, so its pages may already hold other bytes."""
         if not lease.epoch:
             return
-        now = hold.enter_context(E.held(self.config.ssd.dir))
+        now = hold.enter_context(E.held(self.config.state_dir))
         if now != lease.epoch:
             self.stats.add("fenced_reads")
             raise FencedError(

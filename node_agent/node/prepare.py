@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flatcake.errors import PrepareError
+from flatcake.node_agent.catalog.files import resolve_gid
 from flatcake.node_agent.config import EngineConfig
+from flatcake.node_agent.constants import HUGEPAGE_BYTES
 from flatcake.node_agent.datapath.file_pool import create_pool
 from flatcake.node_agent.node.hugepages import (
     hugepage_shares,
@@ -60,6 +62,7 @@ class NodeState:
     signatures: dict[str, tuple[str, ...]] = field(default_factory=dict)  # device -> wipefs types ("gpt", "ext4")
     in_use: dict[str, tuple[str, ...]] = field(default_factory=dict)  # device -> "mounted at /x", "held by md127"
     hugepage_shares: dict[str, int] = field(default_factory=dict)  # dram.name -> pages, caches on this node
+    hugetlbfs: dict[str, int] = field(default_factory=dict)  # hugetlbfs mount point -> its page bytes
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ def plan(c: EngineConfig, state: NodeState) -> list[Step]:
             # this reaches the host's systemd; on the host itself it is a plain systemctl.
             restart = ("nsenter", "--target", "1", "--mount", "--", "systemctl", "restart", "kubelet")
             steps.append(Step("kubelet", "the kubelet reads hugepage capacity only at start", argv=restart))
+    if want and c.dram.hugetlbfs_dir:
+        _hugetlbfs(steps, c, want, state)
     if p.devices:
         devices = tuple(state.resolved.get(d, d) for d in p.devices)
         missing = [d for d, real in zip(p.devices, devices, strict=True) if real not in state.existing_devices]
@@ -119,6 +124,27 @@ def plan(c: EngineConfig, state: NodeState) -> list[Step]:
     steps.append(Step("pool", f"{c.ssd.file_count} files of {c.ssd.file_bytes} bytes in {c.ssd.dir}, "
                       "single extents checked", action="pool"))  # fmt: skip
     return steps
+
+
+def _hugetlbfs(steps: list[Step], c: EngineConfig, pages: int, state: NodeState) -> None:
+    """This cache's own hugetlbfs at ``dram.hugetlbfs_dir``, limited to its pages: its inference pods mount
+    that directory alone, never the node-wide /dev/hugepages that holds other caches' DRAM pools."""
+    where, size = c.dram.hugetlbfs_dir or "", HUGEPAGE_BYTES[c.prepare.hugepage_size]
+    have = state.hugetlbfs.get(where)
+    if have == size:
+        return
+    if have is not None:
+        raise PrepareError(f"dram.hugetlbfs_dir: {where} is hugetlbfs of {have}-byte pages, this cache's are {size} "
+                           "bytes (prepare.hugepage_size); unmount it or choose another directory")  # fmt: skip
+    if where in state.mounts:
+        raise PrepareError(f"dram.hugetlbfs_dir: {where} already has {state.mounts[where]} mounted; unmount it or "
+                           "choose another directory")  # fmt: skip
+    gid = resolve_gid(c.agent.group)
+    options = [f"pagesize={size}", f"size={pages * size}", "mode=0770" if gid >= 0 else "mode=0700"]
+    options += [f"gid={gid}"] if gid >= 0 else []
+    steps.append(Step("mkdir", f"mount point {where}", argv=("mkdir", "-p", where)))
+    steps.append(Step("hugetlbfs", f"this cache's own hugepages, at most {pages} of {c.prepare.hugepage_size}",
+                      argv=("mount", "-t", "hugetlbfs", "-o", ",".join(options), "nodev", where)))  # fmt: skip
 
 
 def _mkfs(device: str, wipe: bool) -> tuple[str, ...]:
@@ -274,7 +300,27 @@ def probe(c: EngineConfig) -> NodeState:
         signatures[dev] = _signatures(dev)
         in_use[dev] = _in_use(dev, mounts_seen, swaps)
     shares = hugepage_shares(c) if c.prepare.hugepage_size != "none" else {}
-    return NodeState(huge, arrays, md_available, fs, mounts, existing, resolved, signatures, in_use, shares)
+    return NodeState(huge, arrays, md_available, fs, mounts, existing, resolved, signatures, in_use, shares,
+                     _hugetlbfs_mounts())  # fmt: skip
+
+
+def _hugetlbfs_mounts() -> dict[str, int]:
+    """hugetlbfs mount points and their page bytes, from /proc/self/mountinfo (``pagesize=2M``)."""
+    found = {}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        head, sep, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if not sep or len(fields) < 5 or len(rest) < 3 or rest[0] != "hugetlbfs":
+            continue
+        option = next((o for o in rest[2].split(",") if o.startswith("pagesize=")), "pagesize=2M")
+        found[_unescape(fields[4])] = _size_bytes(option.removeprefix("pagesize="))
+    return found
+
+
+def _size_bytes(text: str) -> int:
+    """``2M``, ``1024M``, ``1G`` (as mountinfo writes hugetlbfs page sizes) in bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1].upper()] if text and text[-1].upper() in units else int(text)
 
 
 def apply(c: EngineConfig, steps: Sequence[Step], log: Callable[[str], None] = print) -> None:
@@ -297,13 +343,14 @@ def apply(c: EngineConfig, steps: Sequence[Step], log: Callable[[str], None] = p
 
 def reclaim(c: EngineConfig, log: Callable[[str], None] = print) -> list[str]:
     """Erase this cache's data on the node (a FlatCakeCache deleted with reclaimPolicy Delete): the
-    pool directory (files, manifest, journal), the shared DRAM pool file and its hugepage share record.
+    pool directory (files, manifest), the state directory (journal, epoch), the shared DRAM pool file and its
+    hugepage share record.
     The filesystem, the array and the reserved pages stay; idempotent. Returns what was removed."""
     removed = []
-    pool = Path(c.ssd.dir)
-    if pool.exists():
-        shutil.rmtree(pool)
-        removed.append(str(pool))
+    for folder in dict.fromkeys([Path(c.ssd.dir), Path(c.state_dir)]):  # the pool, then its journal's
+        if folder.exists():
+            shutil.rmtree(folder)
+            removed.append(str(folder))
     dram_dirs = [Path(c.dram.shm_dir)] + ([Path(c.dram.hugetlbfs_dir)] if c.dram.hugetlbfs_dir else [])
     for d in dram_dirs:
         path = d / c.dram.name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from flatcake.errors import by_code
 from flatcake.node_agent.catalog.interface import Allocation, Lease
 from flatcake.node_agent.catalog.shared_index import SharedIndexReader
 from flatcake.node_agent.config import EngineConfig, host_port
+from flatcake.node_agent.constants import CLIENT_ID_ENV
 from flatcake.node_agent.datapath.engine import Engine
 from flatcake.node_agent.datapath.io_backends import IOBackend
 from flatcake.node_agent.datapath.stats import Stats
@@ -47,6 +49,7 @@ class AgentConnection:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._register: dict[str, Any] | None = None  # the first register's arguments and configuration
+        self.client_id = os.environ.get(CLIENT_ID_ENV, "")  # who this pod says it is (register's ``client``)
         self._config: dict[str, Any] | None = None
         self.reconnects = 0
 
@@ -83,6 +86,8 @@ class AgentConnection:
         raise _error(code, message)
 
     def _exchange(self, sock: socket.socket, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        if op == "register" and self.client_id and "client" not in args:
+            args = {**args, "client": self.client_id}
         sock.sendall(P.pack(P.request(next(self._ids), op, args)))
         return P.unpack(self._recv_frame(sock))
 

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 class Session:
     id: int
     pid: int = 0  # the socket peer's process (SO_PEERCRED); 0 when the platform does not say
+    client: str = ""  # whose connections agent.max_clients_per_process counts: "pid N", "uid N" or "pod NS/NAME"
     registered: bool = False
     allocs: set[int] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)

@@ -66,8 +66,11 @@ class Staging:
             return self._next, offset
 
     def give(self, handle: int) -> None:
+        """Free a region, zeroed first: the buffer is registered with the transfer engine, which does not
+        check who reads it, so a page stays readable there only while its peer reads it."""
         with self._lock:
-            self.regions.pop(handle, None)
+            offset, nbytes = self.regions.pop(handle, (0, 0))
+            self.buffer[offset : offset + nbytes] = 0
 
 
 class PeerService:

@@ -23,9 +23,7 @@ import operator
 import os
 import platform
 import signal
-import socket
 import stat
-import struct
 import threading
 import time
 from collections import Counter
@@ -47,21 +45,22 @@ from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.catalog.owner import PoolOwner, lock_paths
 from flatcake.node_agent.catalog.recovery import Recovered, close_fds, page_crc_reader, recover, scan
 from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, seqlock_safe
+from flatcake.node_agent.catalog.state_dir import adopt_legacy
 from flatcake.node_agent.config import EngineConfig, host_port
+from flatcake.node_agent.constants import JOURNAL_FILE
 from flatcake.node_agent.datapath.dram_pool import DramPool
 from flatcake.node_agent.datapath.engine import local_table
 from flatcake.node_agent.datapath.file_pool import create_pool
 from flatcake.node_agent.policy.keyindex import slots_for
 from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.policy.scope import Location
-from flatcake.node_agent.service import http, peer_auth
+from flatcake.node_agent.service import client_identity, http, peer_auth
 from flatcake.node_agent.service import protocol as P
 from flatcake.node_agent.service.peer_ops import PeerOps, Session
 from flatcake.node_agent.service.peer_service import PEER_OPS, PeerService
 
 log = logging.getLogger(__name__)
 
-JOURNAL = "journal.log"
 # A request frame this small is read without taking agent.frame_budget_bytes: the reader's own buffer
 # holds about as much (asyncio's default limit), so the budget only has large frames to bound.
 SMALL_FRAME = 64 * 1024
@@ -81,8 +80,9 @@ class Agent(PeerOps):
         self.peer_secret = peer_auth.load_secret(c.cluster.secret_file) if c.cluster.secret_file else None
         # One agent per pool, before anything is touched: a second one is refused here, naming the first,
         # instead of advancing the epoch (fencing the first) and failing later on a port (catalog/owner.py).
-        self.owner = PoolOwner.take(lock_paths(c.ssd.dir, c.dram.shm_dir, c.dram.name), self.gid)
+        self.owner = PoolOwner.take(lock_paths(c.state_dir, c.dram.shm_dir, c.dram.name))
         try:
+            adopt_legacy(c.ssd.dir, c.state_dir)
             self._open()
         except BaseException:
             self.owner.release(remove_created=True)
@@ -100,7 +100,7 @@ class Agent(PeerOps):
         )  # fmt: skip
         # A new epoch before anything is served: writers holding allocations of the previous agent are
         # refused from here on (catalog/epoch.py).
-        self.epoch = advance_epoch(c.ssd.dir, self.gid, c.agent.epoch_wait_s)
+        self.epoch = advance_epoch(c.state_dir, self.gid, c.agent.epoch_wait_s)
         table = local_table(c)
         self.index = self._shared_index(table.dram.slots + table.ssd.capacity // table.page_span)
         self.catalog = LocalCatalog(table, c.placement, epoch=self.epoch, index=self.index)
@@ -152,7 +152,7 @@ class Agent(PeerOps):
         lock keeps a second agent out, so only a process that ignores it (or a restored backup of the
         pool's files) gets here; this agent's allocations and leases are refused from then on, and
         /readyz says so."""
-        now = current_epoch(self.config.ssd.dir)
+        now = current_epoch(self.config.state_dir)
         return now if now != self.epoch else 0
 
     def recover(self) -> Recovered:
@@ -160,7 +160,7 @@ class Agent(PeerOps):
         if self.journal is not None:
             return self.recovered
         c = self.config
-        journal_path = Path(c.ssd.dir) / JOURNAL
+        journal_path = Path(c.state_dir) / JOURNAL_FILE
         started = time.monotonic()
         # No page is read here: restart is O(journal records). The bytes are checked after the socket
         # opens, by the background scan and by readers of not-yet-scanned scopes (catalog/recovery.py).
@@ -211,6 +211,11 @@ class Agent(PeerOps):
     def op_register(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         c = self.config
         proof = self._authenticate(session, args) if session.remote else None
+        if args.get("client") is not None and not session.remote and not session.pid:  # a pid the kernel gave wins
+            key = client_identity.claimed(args["client"])
+            if key != session.client and self._held_by(key) >= c.agent.max_clients_per_process:
+                raise P.ProtocolError(P.BUSY, client_identity.too_many(key, c.agent.max_clients_per_process))
+            session.client = key
         for name in ("layers", "page_bytes"):
             if name in args and args[name] != getattr(c, name):
                 raise P.ProtocolError(
@@ -335,6 +340,7 @@ class Agent(PeerOps):
         return {
             "usage": self.catalog.table.usage(), "placements": self.catalog.placements.snapshot(),
             "clients": len(self.sessions), "open_allocations": allocs, "leases": leases,
+            "connections_by_client": dict(Counter(s.client for s in self.sessions.values() if not s.remote)),
             "recovered": asdict(self.recovered), "client_stats": dict(self.client_stats),
             "journal_records": self.journal.records if self.journal else 0, "epoch": self.epoch,
             "journal_bytes": self.journal.size if self.journal else 0,
@@ -390,13 +396,17 @@ class Agent(PeerOps):
         session.leases.clear()
         self.sessions.pop(session.id, None)
 
+    def _held_by(self, client: str) -> int:
+        """Connections ``client`` holds (``Session.client``: a pid, a uid or a pod)."""
+        return sum(1 for s in self.sessions.values() if s.client == client)
+
     async def _serve_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._serve_connection(reader, writer, remote=True)
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                                 remote: bool = False) -> None:  # fmt: skip
         a, c = self.config.agent, self.config.cluster
-        pid = 0 if remote else _peer_pid(writer)
+        pid, client = client_identity.connected(writer, remote)  # service/client_identity.py
         busy = None
         # Local clients and other nodes each have budgets of their own: peers cannot take the local ones.
         if remote and sum(1 for s in self.sessions.values() if s.remote) >= c.max_peer_clients:
@@ -405,9 +415,8 @@ class Agent(PeerOps):
         elif not remote and sum(1 for s in self.sessions.values() if not s.remote) >= a.max_clients:
             busy = (f"the agent serves agent.max_clients={a.max_clients} connections already; retry later or "
                     "raise the limit")  # fmt: skip
-        elif pid and sum(1 for s in self.sessions.values() if s.pid == pid) >= a.max_clients_per_process:
-            busy = (f"process {pid} holds agent.max_clients_per_process={a.max_clients_per_process} connections "
-                    "already; reuse one or close some")  # fmt: skip
+        elif client and self._held_by(client) >= a.max_clients_per_process:
+            busy = client_identity.too_many(client, a.max_clients_per_process)
         if busy is not None:  # answered, not silently dropped, so the client can say why
             self.dropped["busy"] += 1
             with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
@@ -416,7 +425,7 @@ class Agent(PeerOps):
             writer.close()
             return
         self._next_session += 1
-        session = self.sessions[self._next_session] = Session(self._next_session, pid, remote=remote)
+        session = self.sessions[self._next_session] = Session(self._next_session, pid, client, remote=remote)
         self._writers.add(writer)
         try:
             while True:
@@ -626,16 +635,6 @@ Handler = Callable[[Agent, Session, dict[str, Any]], Any]
 OPS: dict[str, Handler] = {  # the agent's own ops and the cross-node ones (PeerOps)
     name.removeprefix("op_"): getattr(Agent, name) for name in dir(Agent) if name.startswith("op_")
 }
-
-
-def _peer_pid(writer: asyncio.StreamWriter) -> int:
-    """The connected process's pid (Linux SO_PEERCRED), or 0 where the socket does not say."""
-    sock = writer.get_extra_info("socket")
-    try:
-        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except (AttributeError, OSError):
-        return 0
-    return int(pid)
 
 
 def _usable_dir(directory: Path, field: str) -> None:

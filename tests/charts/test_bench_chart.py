@@ -144,7 +144,7 @@ def test_sglang_example_matches_sglangs_parser_and_the_agents_paths(name: str) -
     pod = inject.mutate(template, R.pod_wiring(spec, cache))
     container = pod["containers"][0]
     assert container["command"] == ["python3", "-m", "sglang.launch_server"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     expanded = [a.replace("$(FLATCAKE_HICACHE_EXTRA_CONFIG)", env["FLATCAKE_HICACHE_EXTRA_CONFIG"])
                 for a in container["args"]]  # fmt: skip
     parser = argparse.ArgumentParser()
@@ -164,9 +164,10 @@ def test_sglang_example_matches_sglangs_parser_and_the_agents_paths(name: str) -
     config = R.engine_config(spec, cache)
     assert extra["socket"] == config["agent"]["socket"]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert str(Path(config["ssd"]["dir"]).parent) in mounts  # the pool root, where the pool files are
-    assert str(Path(config["agent"]["socket"]).parent) in mounts  # socket and the shared DRAM pool file
-    assert ("/dev/hugepages" in mounts) == (not directory)
+    assert config["ssd"]["dir"] in mounts  # the pool files (the journal is elsewhere: agent.state_dir)
+    assert str(Path(config["agent"]["socket"]).parent) in mounts  # socket, DRAM pool file, the cache's hugetlbfs
+    assert not any(m.startswith("/dev/hugepages") for m in mounts)  # never the node's, other caches' pools
+    assert (config["dram"]["hugetlbfs_dir"] is not None) == (not directory)
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
     assert term["matchExpressions"][0]["key"] == R.ready_label(cache)
 
@@ -200,7 +201,7 @@ def test_vllm_example_matches_vllms_parser_and_loads_flatcakes_connector(tmp_pat
     body = {"ssd": {"directory": "/mnt/nvme"}, "kv": {"layers": 28, "pageBytes": 262144, "pageTokens": 128}}
     spec = parse_spec(admit("flatcake.io", "flatcakecaches", {"spec": body})["spec"])
     container = inject.mutate(template, R.pod_wiring(spec, cache))["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     expanded = [a.replace("$(FLATCAKE_VLLM_KV_TRANSFER_CONFIG)", env["FLATCAKE_VLLM_KV_TRANSFER_CONFIG"])
                 for a in container["args"]]  # fmt: skip
     pythonpath = str(flatcake_import_root(tmp_path / "pythonpath"))

@@ -178,7 +178,7 @@ def test_the_webhook_reaches_the_operators_handler_over_tls_it_trusts() -> None:
     assert f"DNS:kv-webhook.{by_kind['Service']['metadata']['namespace']}.svc" in shown, shown
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["FLATCAKE_WEBHOOK_PORT"] == "9443" and env["FLATCAKE_WEBHOOK_CERT"] == "/webhook/tls.crt"
     assert {"name": "webhook", "containerPort": 9443} in container["ports"]
     off = render("--set", "webhook.enabled=false")

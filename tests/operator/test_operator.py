@@ -325,7 +325,7 @@ async def test_the_webhook_wires_a_labelled_pod_and_refuses_one_naming_no_ready_
         wired = await cluster.wait(answering, "the webhook's answer")
         assert wired["allowed"] is True and wired["patchType"] == "JSONPatch"
         mutated = jsonpatch.apply_patch(pod({inject.CACHE_LABEL: CACHE}), json.loads(base64.b64decode(wired["patch"])))
-        env = {e["name"]: e["value"] for e in mutated["spec"]["containers"][0]["env"]}
+        env = {e["name"]: e.get("value") for e in mutated["spec"]["containers"][0]["env"]}
         assert json.loads(env["FLATCAKE_HICACHE_EXTRA_CONFIG"])["socket"] == env["FLATCAKE_SOCKET"]
         # The pod's namespace is its tenant: its pages are keyed apart from other namespaces' (SGLang, vLLM).
         assert json.loads(env["FLATCAKE_HICACHE_EXTRA_CONFIG"])["tenant"] == NS

@@ -247,6 +247,16 @@ def test_agent_runs_with_no_privilege_but_ipc_lock() -> None:
     assert pod["hostPID"] is False
     assert not any(v["name"] == "hugepages" for v in pod["volumes"])
     assert any(m.get("mountPropagation") == "Bidirectional" for m in pod["initContainers"][0]["volumeMounts"])
+    # In hugepages: the cache's own hugetlbfs, mounted by prepare in the run directory (Bidirectional, so
+    # the host and then the agent see it), never the node-wide /dev/hugepages.
+    huge = parse_spec(spec(dram={"size": "1Gi", "hugepageSize": "2Mi"}))
+    config = render.engine_config(huge, CACHE)
+    pod = render.daemon_set(huge, CACHE, config)["spec"]["template"]["spec"]
+    assert config["dram"]["hugetlbfs_dir"] == f"{render.run_dir(CACHE)}/hugepages"
+    assert not any(str(v.get("hostPath", {}).get("path", "")).startswith("/dev/hugepages") for v in pod["volumes"])
+    prepare, agent = pod["initContainers"][0], pod["containers"][0]
+    assert {m["name"]: m.get("mountPropagation") for m in prepare["volumeMounts"]}["run"] == "Bidirectional"
+    assert {m["name"]: m.get("mountPropagation") for m in agent["volumeMounts"]}["run"] == "HostToContainer"
 
 
 @pytest.mark.unit
@@ -623,16 +633,30 @@ def test_an_inference_pod_is_wired_to_its_cache_and_keeps_what_it_had() -> None:
     sglang, sidecar = mutated["containers"]
     config = render.engine_config(parsed, CACHE)
     assert config["agent"]["group"] == "2000" and mutated["securityContext"]["supplementalGroups"] == [2000]
-    env = {e["name"]: e["value"] for e in sglang["env"]}
+    env = {e["name"]: e.get("value") for e in sglang["env"]}
     assert env["HF_HOME"] == "/models" and env["FLATCAKE_SOCKET"] == config["agent"]["socket"]
+    # Who the pod is, for the agent's per-pod cap (it cannot see a pod's pid): namespace/name, expanded by the
+    # kubelet from the downward-API variables defined before it.
+    refs = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in sglang["env"] if "valueFrom" in e}
+    assert refs == {"FLATCAKE_POD_NAMESPACE": "metadata.namespace", "FLATCAKE_POD_NAME": "metadata.name"}
+    order = [e["name"] for e in sglang["env"]]
+    assert env["FLATCAKE_CLIENT_ID"] == "$(FLATCAKE_POD_NAMESPACE)/$(FLATCAKE_POD_NAME)"
+    assert order.index("FLATCAKE_CLIENT_ID") > max(order.index(n) for n in refs)
     extra = json.loads(env["FLATCAKE_HICACHE_EXTRA_CONFIG"])
     assert extra["socket"] == config["agent"]["socket"] and extra["class_name"] == "FlatCakeStorage"
     assert extra["hicache_storage_pass_prefix_keys"] is True  # SGLang passes prefix keys only for a JSON true
-    # The backend's paths, at the agent's own paths: the socket's and DRAM pool's folder, the pool files.
+    # The backend's paths, at the agent's own paths: the socket's and DRAM pool's folder (with the cache's
+    # own hugetlbfs in it), the pool files, the epoch file read-only; never the journal or the node's hugepages.
     paths = {m["mountPath"] for m in sglang["volumeMounts"]}
-    assert {"/models", os.path.dirname(config["agent"]["socket"]), render.pool_root(parsed, CACHE)} <= paths
-    assert config["ssd"]["dir"].startswith(render.pool_root(parsed, CACHE))
-    assert "/dev/hugepages" in paths  # the default DRAM pool is in 2 MiB hugepages
+    run, state = os.path.dirname(config["agent"]["socket"]), config["agent"]["state_dir"]
+    assert paths == {"/models", run, config["ssd"]["dir"], f"{state}/epoch"}
+    assert config["dram"]["hugetlbfs_dir"] == f"{run}/hugepages"  # the default DRAM pool is in 2 MiB hugepages
+    assert config["io"]["verify_reads"] == "all"  # pods write the pool: DRAM pages are checked on read too
+    assert not any(state == p or state.startswith(p + "/") for p in paths - {f"{state}/epoch"})  # no journal
+    assert not state.startswith(config["ssd"]["dir"]) and "/dev/hugepages" not in paths
+    mounts = {m["mountPath"]: m for m in sglang["volumeMounts"]}
+    assert mounts[f"{state}/epoch"].get("readOnly") is True and mounts[run]["mountPropagation"] == "HostToContainer"
+    assert not any(m.get("readOnly") for p, m in mounts.items() if p != f"{state}/epoch")
     assert {m["mountPath"] for m in sidecar["volumeMounts"]} == paths - {"/models"}
     # ANDed into the pod's own required term: an h200 node whose agent is ready.
     (term,) = mutated["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]

@@ -18,12 +18,15 @@ pytestmark = pytest.mark.unit
 
 def test_a_second_owner_is_refused_naming_the_first_and_the_pool(tmp_path: Path) -> None:
     paths = lock_paths(tmp_path / "pool", tmp_path / "shm", "kv")
+    paths[1].parent.mkdir()
+    paths[1].touch(mode=0o660)  # as an older agent left it, open to the pool's group
     first = PoolOwner.take(paths)
     try:
         assert paths[0].read_text().strip() == str(os.getpid()) and paths[1].exists()
-        with pytest.raises(
-            ConfigError, match=rf"ssd.dir: .*pool is served by another flatcake agent \(pid {os.getpid()}"
-        ):
+        # The agent's alone: a pod given the pool's group cannot open a lock file to hold it.
+        assert [p.stat().st_mode & 0o777 for p in paths] == [0o600, 0o600]
+        held_by = rf"pool is served by another flatcake agent \(pid {os.getpid()}"
+        with pytest.raises(ConfigError, match=rf"agent.state_dir \(ssd.dir when unset\): .*{held_by}"):
             PoolOwner.take(paths)
         # Another pool sharing the DRAM file's name in the same shm_dir is refused by the DRAM lock.
         other = lock_paths(tmp_path / "pool2", tmp_path / "shm", "kv")

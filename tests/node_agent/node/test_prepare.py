@@ -63,6 +63,29 @@ def test_hugepages_are_reserved_only_when_short(tmp_path: Path) -> None:
     assert P.wanted_hugepages(derived) == -(-c.dram.bytes // (2 << 20))
 
 
+@pytest.mark.unit
+def test_a_cache_gets_its_own_hugetlbfs_mount_limited_to_its_pages(tmp_path: Path) -> None:
+    """Inference pods mount the cache's own hugetlbfs, never the node's /dev/hugepages with other
+    caches' pools: prepare mounts one at dram.hugetlbfs_dir, at most the cache's pages, once."""
+    c = cfg(tmp_path, hugepage_size="2Mi", hugepages=8)
+    where = str(tmp_path / "run" / "hugepages")
+    c = dataclasses.replace(c, dram=dataclasses.replace(c.dram, hugetlbfs_dir=where),
+                            agent=dataclasses.replace(c.agent, group="4242"))  # fmt: skip
+    reserved = P.NodeState(hugepages={"2Mi": 8}, hugepage_shares={c.dram.name: 8})
+    steps = P.plan(c, reserved)
+    assert names(steps) == ["mkdir", "hugetlbfs", "pool"]
+    assert steps[1].argv == ("mount", "-t", "hugetlbfs", "-o",
+                             f"pagesize={2 << 20},size={8 * (2 << 20)},mode=0770,gid=4242", "nodev", where)  # fmt: skip
+    mounted = dataclasses.replace(reserved, hugetlbfs={where: 2 << 20}, mounts={where: "nodev"})
+    assert names(P.plan(c, mounted)) == ["pool"]  # there already: nothing
+    for other, why in ((dataclasses.replace(reserved, hugetlbfs={where: 1 << 30}), "1073741824-byte pages"),
+                       (dataclasses.replace(reserved, mounts={where: "/dev/sdz"}), "already has /dev/sdz")):  # fmt: skip
+        with pytest.raises(P.PrepareError, match=f"dram.hugetlbfs_dir: {where} .*{why}"):
+            P.plan(c, other)
+    node_wide = dataclasses.replace(c, dram=dataclasses.replace(c.dram, hugetlbfs_dir=None))
+    assert names(P.plan(node_wide, reserved)) == ["pool"]  # no directory named: the node's mounts, as before
+
+
 @pytest.mark.integration
 def test_two_caches_on_a_node_add_their_hugepages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two caches prepare one node (nr_hugepages emulated by a file: the real one is the machine's):
@@ -268,6 +291,30 @@ def test_real_xfs_on_a_loop_device(tmp_path: Path, loop: Callable[[], str]) -> N
     manifest = PoolManifest.load(Path(c.ssd.dir))
     assert manifest.extents == [1] * c.ssd.file_count  # XFS: one extent per preallocated file
     assert names(P.plan(c, P.probe(c))) == ["pool"]  # idempotent: no second mkfs
+
+
+@pytest.mark.system
+def test_a_real_hugetlbfs_mount_for_one_cache(tmp_path: Path) -> None:
+    """The mount prepare plans, made for real (root): probe reads its page size back, a second plan is
+    empty, and the mount holds no more than the cache's pages."""
+    c = cfg(tmp_path, hugepage_size="2Mi", hugepages=2)
+    where = tmp_path / "run" / "hugepages"
+    c = dataclasses.replace(c, dram=dataclasses.replace(c.dram, hugetlbfs_dir=str(where)))
+    state = dataclasses.replace(P.probe(c), hugepages={"2Mi": 2}, hugepage_shares={c.dram.name: 2})
+    steps = [s for s in P.plan(c, state) if s.name in ("mkdir", "hugetlbfs")]
+    assert names(steps) == ["mkdir", "hugetlbfs"]
+    P.apply(c, steps, log=lambda _: None)
+    try:
+        assert P.probe(c).hugetlbfs.get(str(where)) == 2 << 20
+        again = dataclasses.replace(P.probe(c), hugepages={"2Mi": 2}, hugepage_shares={c.dram.name: 2})
+        assert names(P.plan(c, again)) == ["pool"]
+        assert os.statvfs(where).f_blocks == 2 and stat_mode(where) == 0o700  # at most 2 pages; the agent's
+    finally:
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
 
 
 @pytest.mark.system

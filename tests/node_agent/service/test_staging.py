@@ -27,3 +27,14 @@ def test_regions_are_first_fit_and_given_back() -> None:
     s.give(b)  # giving twice is harmless (a connection drop after an unstage)
     e, at_e = s.take(50)
     assert at_e == 30 and set(s.regions) == {c, d, e}
+
+
+def test_a_region_given_back_holds_no_page() -> None:
+    """The buffer is registered with the transfer engine, which serves whoever reaches its port: a page
+    staged for a peer is zeroed when the peer is done, not left there until the region is reused."""
+    s = Staging(aligned_empty(100))
+    a, at_a = s.take(40)
+    _, at_b = s.take(40)
+    s.buffer[:] = 7  # staged pages
+    s.give(a)
+    assert not s.buffer[at_a : at_a + 40].any() and (s.buffer[at_b : at_b + 40] == 7).all()  # b is still being read
