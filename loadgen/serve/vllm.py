@@ -6,19 +6,21 @@ Launched as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` scrip
 ``kv_cache_gib`` GiB, the dev endpoints (``/reset_prefix_cache``) and oneDNN below AMX as for SGLang
 (``server.DETERMINISTIC_ENV``). ``connector`` adds ``--kv-transfer-config`` for ``FlatCakeConnector`` on
 the agent at ``socket`` (``kv_load_failure_policy: recompute``: a block FlatCake cannot deliver is
-computed).
+computed). ``offload_gib`` instead gives the baseline, vLLM's own DRAM tier (``OffloadingConnector``, as
+``--kv-offloading-size`` configures it) with a worker that runs on the CPU (``vllm_offload.py``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flatcake.loadgen.serve.server import DETERMINISTIC_ENV, ROOT, ServerProcess, flatcake_import_root
+from flatcake.loadgen.serve.server import DETERMINISTIC_ENV, ROOT, ServerError, ServerProcess, flatcake_import_root
 from flatcake.node_agent.constants import VLLM_CONNECTOR
 
 PYTHON_ENV = "FLATCAKE_VLLM_PYTHON"
@@ -39,6 +41,18 @@ def kv_transfer_config(socket: str) -> dict[str, Any]:
     return {**VLLM_CONNECTOR, "kv_connector_extra_config": {"socket": socket}}
 
 
+def offload_transfer_config(gib: float) -> dict[str, Any]:
+    """``--kv-transfer-config`` for vLLM's own CPU offloading of ``gib`` GiB.
+
+    The config vLLM builds itself for ``--kv-offloading-size`` (vllm/config/vllm.py ~1099-1133,
+    ``_post_init_kv_transfer_config``, backend ``native``): ``OffloadingConnector``, ``kv_role`` ``kv_both``,
+    ``cpu_bytes_to_use`` ``gib`` GiB; plus the out-of-tree spec hook (``spec_name``, ``spec_module_path``:
+    v1/kv_offload/factory.py:35-50) naming ``CPUOffloadingSpec``'s subclass whose worker runs on the CPU."""
+    extra = {"cpu_bytes_to_use": int(gib * (1 << 30)), "spec_name": "CPUPlatformOffloadingSpec",
+             "spec_module_path": "flatcake.loadgen.serve.vllm_offload"}  # fmt: skip
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
 @dataclass(frozen=True)
 class Completion:
     text: str
@@ -51,13 +65,19 @@ class VLLMServer(ServerProcess):
     HEALTH = "/health"
 
     def __init__(self, model_dir: Path, *, workdir: Path, port: int | None = None, socket: str | None = None,
-                 block_size: int = 128, max_model_len: int = 8192, kv_cache_gib: int = 1,
+                 block_size: int = 128, max_model_len: int = 8192, kv_cache_gib: int = 1, offload_gib: float = 0,
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, python: Path | None = None,
                  start_timeout_s: float = 900.0, stall_timeout_s: float = 240.0) -> None:  # fmt: skip
+        if socket and offload_gib:
+            raise ValueError("VLLMServer: give socket (FlatCake's connector) or offload_gib (vLLM's own CPU "
+                             "offloading), not both: vLLM takes one KV connector")  # fmt: skip
+        if offload_gib < 0:
+            raise ValueError(f"VLLMServer: offload_gib {offload_gib} < 0")
         super().__init__(model_dir, workdir=workdir, port=port, extra_args=extra_args, env=env,
                          python=Path(python) if python else server_python(), start_timeout_s=start_timeout_s,
                          stall_timeout_s=stall_timeout_s)  # fmt: skip
         self.socket = socket
+        self.offload_gib = offload_gib
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
@@ -71,6 +91,8 @@ class VLLMServer(ServerProcess):
         ]  # fmt: skip
         if self.socket:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.socket))]
+        elif self.offload_gib:
+            args += ["--kv-transfer-config", json.dumps(offload_transfer_config(self.offload_gib))]
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -103,13 +125,24 @@ class VLLMServer(ServerProcess):
         return Completion(choice["text"], list(choice["logprobs"]["token_logprobs"]),
                           int(answer["usage"]["prompt_tokens"]))  # fmt: skip
 
-    def reset_prefix_cache(self) -> None:
-        self._request("/reset_prefix_cache", {})
+    def reset_prefix_cache(self, timeout_s: float = 60.0) -> None:
+        """Empty vLLM's own prefix cache (a connector's store keeps its blocks). vLLM answers
+        ``{"success": false}`` while blocks are held (a request running, an offload store in flight): this
+        retries until ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not json.loads(self._request("/reset_prefix_cache", {})).get("success", True):
+            if time.monotonic() > deadline:
+                raise ServerError(f"/reset_prefix_cache still refused after {timeout_s:.0f} s\n{self.log_tail(20)}")
+            time.sleep(0.2)
 
-    def metric(self, name: str) -> float:
-        """The sum of a Prometheus counter's series (e.g. ``vllm:external_prefix_cache_hits_total``)."""
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of a Prometheus counter's series (e.g. ``vllm:external_prefix_cache_hits_total``), of those
+        with the given ``labels`` (``source="host"``) if any."""
         total = 0.0
+        wanted = [f'{key}="{value}"' for key, value in labels.items()]
         for line in self._request("/metrics").decode().splitlines():
             if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
+                series = line[len(name) :].rsplit(" ", 1)[0]
+                if all(label in series for label in wanted):
+                    total += float(line.rsplit(" ", 1)[1])
         return total
