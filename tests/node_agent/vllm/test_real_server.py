@@ -11,6 +11,7 @@ prefill and a cached-prefix prefill differently, which its own prefix cache show
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from flatcake.node_agent import geometry
 from flatcake.node_agent.service.main import spawn
 from tests.support.agents import agent_stats
 from tests.support.engines import small_config
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.system
 
@@ -56,6 +58,13 @@ def test_prefixes_come_back_from_flatcake_into_a_real_vllm_server(tmp_path: Path
             warm = server.complete(SESSION)
             warm_shared = server.complete(SHARED)
             assert server.metric(HITS) - before == (17 + (cold_shared.prompt_tokens - 1) // BLOCK) * BLOCK
+            # How each load ran (FC-MAS by the slowest medium): the session's prefix, on SSD, while vLLM parked
+            # the request (async); the shared prompt's, in DRAM, layer by layer under its step's forward.
+            moved = agent_stats(socket)["client_stats"]
+            assert isinstance(moved, dict)
+            assert moved.get("connector_pages_async", 0) >= 17, moved
+            assert moved.get("connector_pages_layerwise", 0) >= (cold_shared.prompt_tokens - 1) // BLOCK, moved
+            assert moved.get("connector_pages_saved", 0) >= 17, moved  # the cold runs' blocks, stored after the step
             assert warm.token_logprobs == native.token_logprobs  # bit-identical to vLLM's own cached KV
             for w, c in ((warm, cold), (warm_shared, cold_shared)):
                 assert w.text == c.text
@@ -76,3 +85,44 @@ def test_prefixes_come_back_from_flatcake_into_a_real_vllm_server(tmp_path: Path
     # The worker restored straight into vLLM's KV buffer (its layers: views of one buffer, one stride apart).
     log = (tmp_path / "vllm" / "server.log").read_text(errors="replace")
     assert "FlatCake connector: 6 layers registered" in log and "loads in place" in log
+
+
+def test_a_failed_load_is_recomputed_and_saves_outlive_a_killed_agent(tmp_path: Path) -> None:
+    """Faults between a real vLLM server and FlatCake: a parked load whose pages are damaged on SSD is a miss
+    vLLM recomputes (the same output as the cold run); blocks saved while the agent is killed (kill -9) wait
+    in the connector's save queue and land in the restarted agent: none lost."""
+    model = make_model(tmp_path / "model")
+    g = geometry.load(model, page_tokens=BLOCK)
+    config = small_config(tmp_path / "agent", layers=g.layers, page_bytes=g.page_bytes, page_tokens=BLOCK,
+                          dram_bytes=64 * g.layers * g.page_bytes, file_bytes=16 << 20, files=4)  # fmt: skip
+    log = (tmp_path / "agent.log").open("w")
+    agent = spawn(config, tmp_path / "agent", output=log)
+    socket = config.agent.socket
+    try:
+        with VLLMServer(model, workdir=tmp_path / "vllm", socket=socket, block_size=BLOCK) as server:
+            cold = server.complete(SESSION)
+            wait_until(lambda: agent_stats(socket)["usage"]["ssd"]["pages"] >= 17, what="the session's blocks stored")
+            for pool_file in Path(config.ssd.dir).glob("pool-*.dat"):  # every stored page rots on the device
+                with pool_file.open("r+b") as f:
+                    f.write(os.urandom(pool_file.stat().st_size))
+            server.reset_prefix_cache()
+            damaged = server.complete(SESSION)
+            assert damaged.text == cold.text  # recomputed: vLLM was told every damaged block failed to load
+            assert max(abs(a - b) for a, b in zip(damaged.token_logprobs, cold.token_logprobs, strict=True)) < 0.05
+            stats = agent_stats(socket)["client_stats"]
+            assert stats.get("verify_failures", 0) + stats.get("pages_missing", 0) >= 1, stats
+            agent.kill()  # kill -9: the agent is gone while the next request's blocks are saved
+            agent.wait(30)
+            other = server.complete(SHARED)  # lookups miss, its saves wait in the connector's queue
+            agent = spawn(config, tmp_path / "agent", output=log)
+            blocks = other.prompt_tokens // BLOCK
+            wait_until(lambda: sum(agent_stats(socket)["placements"].values()) >= blocks,
+                       what="the saves queued while the agent was down to land in the restarted one")  # fmt: skip
+            server.reset_prefix_cache()
+            before = server.metric(HITS)
+            again = server.complete(SHARED)
+            assert server.metric(HITS) - before == (other.prompt_tokens - 1) // BLOCK * BLOCK
+            assert again.text == other.text
+    finally:
+        agent.terminate()
+        agent.wait(30)

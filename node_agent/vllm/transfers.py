@@ -1,0 +1,232 @@
+"""The vLLM connector's transfers off the step: loads streamed layer by layer under the forward, loads a
+request waits for outside the step, and saves stored after it. No vLLM import (tested without a server).
+
+- ``LayerLoads``: one step's loads, restored on a thread while the forward runs; ``wait(layer)`` (vLLM's
+  ``wait_for_layer_load``, called by each attention layer) returns once that layer's bytes of every load
+  have landed, so layer ``l + 1`` is read while layer ``l`` computes (FC-CIO's window, in vLLM's terms).
+- ``AsyncLoads``: loads of requests vLLM parks until they finish (``WAITING_FOR_REMOTE_KVS``), one thread,
+  in order; finished requests are collected for ``get_finished``.
+- ``SaveQueue``: saves whose bytes were already copied out of vLLM's blocks (vLLM may free or reuse a
+  block as soon as the step ends: a preempted request's blocks are freed without asking the connector),
+  stored on one thread, in order. At most ``max_bytes`` wait; a save beyond that waits for room (the step
+  stalls, and says so). A save whose agent went away is retried until it answers again (a restarted
+  agent), for at most ``retry_s``; then it is dropped: a miss later, never a wrong page.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from flatcake.errors import FlatCakeError
+
+log = logging.getLogger("vllm.flatcake.connector")
+
+# What a storage call may meet in normal operation: a miss (vLLM computes), never an engine crash.
+STORAGE_FAULTS = (FlatCakeError, ConnectionError, TimeoutError, OSError)
+
+
+class Restore(Protocol):
+    """What ``Engine.get`` returns: yields each layer once its bytes landed; ``missing`` page indexes."""
+
+    missing: set[int]
+
+    def __iter__(self) -> Iterator[int]: ...
+    def __enter__(self) -> Restore: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class LayerLoads:
+    """One step's synchronous loads as one restore, run on a thread from ``start_load_kv`` on. ``open``
+    starts the restore; ``on_layer(layer)``, if given, runs as each layer lands (the copying path moves
+    it into vLLM's blocks there). ``pages`` is how many pages the restore holds."""
+
+    def __init__(self, open_restore: Callable[[], Restore], layers: int, pages: int,
+                 on_layer: Callable[[int], None] | None = None) -> None:  # fmt: skip
+        self.layers, self.pages = layers, pages
+        self._open, self._on_layer = open_restore, on_layer
+        self._landed = -1  # the last layer whose bytes are in place (layers land in order)
+        self._cond = threading.Condition()
+        self.missing: set[int] = set()
+        self.failed: BaseException | None = None
+        self.landed_at: list[float] = []  # monotonic time each layer landed (tests, the stall report)
+        self._thread = threading.Thread(target=self._run, name="flatcake-vllm-layers", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with self._open() as restore:
+                for layer in restore:
+                    if self._on_layer is not None:
+                        self._on_layer(layer)
+                    with self._cond:
+                        self.landed_at.append(time.monotonic())
+                        self._landed = layer
+                        self._cond.notify_all()
+                self.missing = set(restore.missing)
+        except Exception as exc:  # never leave the forward waiting: every page is a miss
+            self.failed = exc
+            self.missing = set(range(self.pages))
+            if not isinstance(exc, STORAGE_FAULTS):
+                log.exception("FlatCake connector: a layer-wise load failed unexpectedly")
+        finally:
+            with self._cond:
+                self._landed = self.layers
+                self._cond.notify_all()
+
+    def wait(self, layer: int) -> None:
+        """Return once ``layer``'s bytes landed (or the restore ended: its misses are reported after)."""
+        with self._cond:
+            while self._landed < layer:
+                self._cond.wait()
+
+    def join(self) -> set[int]:
+        """Wait for the restore to end; the page indexes that did not arrive (all of them if it failed)."""
+        self._thread.join()
+        return self.missing
+
+
+class AsyncLoads:
+    """Loads of parked requests, run in order on one thread; ``done()`` gives the requests that finished
+    since the last call, each with the page indexes it lacks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: list[tuple[str, set[int]]] = []
+        self._jobs: deque[tuple[str, int, Callable[[], set[int]]]] = deque()
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, req_id: str, pages: int, load: Callable[[], set[int]]) -> None:
+        """Run ``load`` (returns the missing page indexes of ``pages``) for ``req_id``, after those before it."""
+        with self._lock:
+            self._jobs.append((req_id, pages, load))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="flatcake-vllm-loads", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs and not self._stopping:
+                    self._wake.wait()
+                if not self._jobs:
+                    return
+                req_id, pages, load = self._jobs.popleft()
+            try:
+                missing = load()
+            except Exception as exc:  # a failed load is a miss: vLLM recomputes
+                missing = set(range(pages))
+                if not isinstance(exc, STORAGE_FAULTS):
+                    log.exception("FlatCake connector: an asynchronous load failed unexpectedly")
+                else:
+                    log.warning("FlatCake connector: load of %d blocks for %s failed: %s", pages, req_id, exc)
+            with self._lock:
+                self._done.append((req_id, missing))
+
+    def done(self) -> list[tuple[str, set[int]]]:
+        with self._lock:
+            done, self._done = self._done, []
+            return done
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(60)
+
+
+class SaveQueue:
+    """Saves stored off the step, in order, on one thread (module doc). ``store(job)`` runs a job: it
+    raises what the agent raised; a ``ConnectionError`` is retried for ``retry_s``."""
+
+    def __init__(self, store: Callable[[Any], None], max_bytes: int, retry_s: float = 30.0) -> None:
+        self._store, self.max_bytes, self.retry_s = store, max_bytes, retry_s
+        self._cond = threading.Condition()
+        self._jobs: deque[tuple[int, Any]] = deque()
+        self.pending_bytes = 0
+        self.stored = self.dropped = 0  # jobs
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, nbytes: int, job: Any) -> float:
+        """Queue ``job`` (``nbytes`` of copied pages); the seconds spent waiting for room (a stall)."""
+        started = time.monotonic()
+        with self._cond:
+            # One job larger than the bound still goes, alone: waiting for room it can never have would hang.
+            while self.pending_bytes and self.pending_bytes + nbytes > self.max_bytes:
+                self._cond.wait()
+            self._jobs.append((nbytes, job))
+            self.pending_bytes += nbytes
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="flatcake-vllm-saves", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return time.monotonic() - started
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._stopping:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                nbytes, job = self._jobs[0]
+            ok = self._attempt(job)
+            with self._cond:
+                self._jobs.popleft()
+                self.pending_bytes -= nbytes
+                if ok:
+                    self.stored += 1
+                else:
+                    self.dropped += 1
+                self._cond.notify_all()
+
+    def _attempt(self, job: Any) -> bool:
+        deadline = time.monotonic() + self.retry_s
+        pause = 0.05
+        while True:
+            try:
+                self._store(job)
+                return True
+            except ConnectionError as exc:  # the agent went away: a restarted one takes the save
+                if time.monotonic() + pause > deadline or self._stopping:
+                    log.warning("FlatCake connector: a save was dropped, the agent did not come back: %s", exc)
+                    return False
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+            except Exception as exc:  # a save that fails is a miss later, never a crash
+                if not isinstance(exc, STORAGE_FAULTS):
+                    log.exception("FlatCake connector: a save failed unexpectedly")
+                else:
+                    log.warning("FlatCake connector: a save failed: %s", exc)
+                return False
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued save ended; False when ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._jobs:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Store what is queued (for at most ``timeout``), then end the thread."""
+        self.drain(timeout)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            with contextlib.suppress(RuntimeError):
+                self._thread.join(timeout)
