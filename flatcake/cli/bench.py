@@ -125,7 +125,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from flatcake.loadgen.bench import serve
 
     cfg = serve.QUICK if args.quick else serve.ServeConfig()
-    fields = ("qps", "requests", "trace", "layout", "repeats")
+    fields = ("qps", "requests", "trace", "layout", "repeats", "users", "device_tokens", "dram_bytes")
     given = {name: getattr(args, name) for name in fields if getattr(args, name)}
     bench = serve.ENGINES[args.engine]
     given["engine"] = args.engine
@@ -179,6 +179,11 @@ def add(sub: Subparsers) -> None:
     sv.add_argument("--trace", help="replay this trace instead (its prompts must fit the server's 6K-token pool)")
     sv.add_argument("--layout", choices=["layer_first", "page_first_direct"], help="SGLang's --hicache-mem-layout")
     sv.add_argument("--repeats", type=int, help="cold runs per point (default 2), the systems' order alternating")
+    sv.add_argument("--users", type=int, help="agentic sessions interleaved in the synthesized trace (default 4)")
+    sv.add_argument("--device-tokens", type=int, dest="device_tokens",
+                    help="the engine's device KV pool in tokens (default 6144; vLLM: as blocks of 128)")  # fmt: skip
+    sv.add_argument("--dram-bytes", type=int, dest="dram_bytes",
+                    help="FlatCake's DRAM pool, Mooncake's segment, vllm-offload's tier (default 64 MiB)")  # fmt: skip
     sv.add_argument("--out", default="results/serve", help="where runs, serve.json, serve.md, serve.png go")
     sv.set_defaults(func=_bench_serve)
 

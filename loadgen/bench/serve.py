@@ -92,6 +92,12 @@ class ServeConfig:
             raise ValueError(f"qps: {self.qps} must be rates > 0")
         if self.requests < 1:
             raise ValueError(f"requests: {self.requests} must be >= 1")
+        if self.users < 1:
+            raise ValueError(f"users: {self.users} must be >= 1")
+        if self.device_tokens < 1024:  # a prompt of the slice must fit the device pool
+            raise ValueError(f"device_tokens: {self.device_tokens} must be >= 1024")
+        if self.dram_bytes < 1 << 20:
+            raise ValueError(f"dram_bytes: {self.dram_bytes} must be >= 1 MiB")
 
 
 QUICK = ServeConfig(qps=(0.5,), requests=16, repeats=1)

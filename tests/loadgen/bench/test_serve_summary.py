@@ -45,3 +45,10 @@ def test_the_connector_report_is_the_run_s_counters_and_reaches_the_table() -> N
     (summary,) = serve.summary([row])
     assert summary["load"] == "layerwise+async" and summary["step_stall_s"] == pytest.approx(0.29)
     assert serve.format_table({"systems": [summary]}).splitlines()[-1].endswith("| 0.29 |")
+
+
+def test_the_slice_s_size_is_checked_naming_the_field() -> None:
+    for field, value in (("users", 0), ("device_tokens", 512), ("dram_bytes", 1000)):
+        with pytest.raises(ValueError, match=f"{field}: {value} must be"):
+            serve.ServeConfig(**{field: value})
+    assert serve.ServeConfig(users=8, device_tokens=4096, dram_bytes=32 << 20).users == 8
