@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from flatcake.cli.common import _csv, _ints, _parts, _write_json
 from flatcake.errors import ConfigError
 from flatcake.loadgen import names
+from flatcake.node_agent.constants import PLACEMENT_MODES
 
 if TYPE_CHECKING:
     from flatcake.cli.common import Subparsers
@@ -125,7 +126,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from flatcake.loadgen.bench import serve
 
     cfg = serve.QUICK if args.quick else serve.ServeConfig()
-    fields = ("qps", "requests", "trace", "layout", "repeats", "users", "device_tokens", "dram_bytes")
+    fields = ("qps", "requests", "trace", "layout", "repeats", "users", "device_tokens", "dram_bytes", "placement")
     given = {name: getattr(args, name) for name in fields if getattr(args, name)}
     bench = serve.ENGINES[args.engine]
     given["engine"] = args.engine
@@ -184,6 +185,7 @@ def add(sub: Subparsers) -> None:
                     help="the engine's device KV pool in tokens (default 6144; vLLM: as blocks of 128)")  # fmt: skip
     sv.add_argument("--dram-bytes", type=int, dest="dram_bytes",
                     help="FlatCake's DRAM pool, Mooncake's segment, vllm-offload's tier (default 64 MiB)")  # fmt: skip
+    sv.add_argument("--placement", choices=PLACEMENT_MODES, help="FlatCake's placement.mode (default table2)")
     sv.add_argument("--out", default="results/serve", help="where runs, serve.json, serve.md, serve.png go")
     sv.set_defaults(func=_bench_serve)
 

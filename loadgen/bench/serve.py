@@ -43,7 +43,7 @@ from flatcake.loadgen.serve.server import SGLangServer, cpu_seconds, server_pyth
 from flatcake.loadgen.traces.formats import write_trace
 from flatcake.loadgen.traces.synth import SynthConfig, synthesize
 from flatcake.node_agent import geometry
-from flatcake.node_agent.constants import SGLANG_BACKEND
+from flatcake.node_agent.constants import PLACEMENT_MODES, SGLANG_BACKEND
 
 if TYPE_CHECKING:
     from flatcake.node_agent import EngineConfig
@@ -82,6 +82,7 @@ class ServeConfig:
     repeats: int = 2  # cold runs per point, the systems' order reversed every other repeat
     dram_bytes: int = 64 << 20  # FlatCake's DRAM pool, Mooncake's DRAM segment
     prefetch_policy: str = "timeout"  # SGLang's default: an L3 hit not ready in time is recomputed
+    placement: str = "table2"  # FlatCake's placement.mode (table2, adaptive, copies)
     probe_tokens: int = 1024
 
     def __post_init__(self) -> None:
@@ -92,6 +93,8 @@ class ServeConfig:
             raise ValueError(f"qps: {self.qps} must be rates > 0")
         if self.requests < 1:
             raise ValueError(f"requests: {self.requests} must be >= 1")
+        if self.placement not in PLACEMENT_MODES:
+            raise ValueError(f"placement: {self.placement!r} must be one of {', '.join(PLACEMENT_MODES)}")
         if self.users < 1:
             raise ValueError(f"users: {self.users} must be >= 1")
         if self.device_tokens < 1024:  # a prompt of the slice must fit the device pool
@@ -137,7 +140,15 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
         yield Backend({"storage_backend": "file", "file_dir": where / "hicache"})
         return
     if system == "flatcake":
-        from flatcake.node_agent import AgentConfig, DramConfig, EngineConfig, IOConfig, SsdConfig, spawn
+        from flatcake.node_agent import (
+            AgentConfig,
+            DramConfig,
+            EngineConfig,
+            IOConfig,
+            PlacementConfig,
+            SsdConfig,
+            spawn,
+        )
 
         node = where / "node"
         node.mkdir(parents=True)
@@ -147,6 +158,7 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
             dram=DramConfig(bytes=cfg.dram_bytes // span * span, huge_pages=False, shm_dir=str(node), name="serve"),
             ssd=SsdConfig(dir=str(node / "pool"), file_bytes=64 * span, file_count=32),
             io=IOConfig(backend="posix"), agent=AgentConfig(socket=str(node / "agent.sock"), metrics_port=0),
+            placement=PlacementConfig(mode=cfg.placement),
         )  # fmt: skip
         agent = spawn(config, node)
         try:

@@ -88,7 +88,16 @@ class AgentConnection:
     def _exchange(self, sock: socket.socket, op: str, args: dict[str, Any]) -> dict[str, Any]:
         if op == "register" and self.client_id and "client" not in args:
             args = {**args, "client": self.client_id}
-        sock.sendall(P.pack(P.request(next(self._ids), op, args)))
+        try:
+            sock.sendall(P.pack(P.request(next(self._ids), op, args)))
+        except (BrokenPipeError, ConnectionResetError):
+            # The agent may have refused the connection (busy) and closed it before this request came: its
+            # reason is waiting to be read, and says more than a broken pipe.
+            try:
+                return P.unpack(self._recv_frame(sock))
+            except (OSError, ValueError):
+                pass
+            raise
         return P.unpack(self._recv_frame(sock))
 
     def _reopen(self) -> socket.socket:

@@ -22,25 +22,47 @@ from flatcake.node_agent.service.server import Agent
 log = logging.getLogger(__name__)
 
 
-def spawn(config: EngineConfig, workdir: Path, output: Any = subprocess.DEVNULL, timeout: float = 60,
+def spawn(config: EngineConfig, workdir: Path, output: Any = None, timeout: float = 60,
           prefix: Sequence[str] = ()) -> Any:  # fmt: skip
     """Start ``flatcake agent serve`` as its own process (config written to ``workdir/engine.json``)
-    and return it once its socket answers. ``prefix`` runs it under another command (``ip netns exec NS``)."""
+    and return it once its socket answers. ``prefix`` runs it under another command (``ip netns exec NS``).
+    Its output goes to ``output`` (an open file), by default appended to ``workdir/agent.log``; an agent that
+    exits or stays silent past ``timeout`` raises a RuntimeError that says which, with the log's tail."""
     path = workdir / "engine.json"
     path.write_text(json.dumps(config.to_dict()))
     exe = Path(sys.executable).parent / "flatcake"
-    proc = subprocess.Popen([*prefix, str(exe), "agent", "serve", "--config", str(path)], cwd=workdir,
-                            stdout=output, stderr=subprocess.STDOUT)  # fmt: skip
+    own = output is None
+    if own:
+        output = (workdir / "agent.log").open("ab")
+    try:
+        proc = subprocess.Popen([*prefix, str(exe), "agent", "serve", "--config", str(path)], cwd=workdir,
+                                stdout=output, stderr=subprocess.STDOUT)  # fmt: skip
+    finally:
+        if own:
+            output.close()  # the agent holds its own descriptor
     deadline = time.monotonic() + timeout
     while True:
         try:
             AgentConnection(config.agent.socket, timeout=5).close()
             return proc
         except ConnectionError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("the node agent did not start; run `flatcake agent serve` to see why") from None
-            time.sleep(0.05)
+            exited = proc.poll()
+            if exited is None and time.monotonic() <= deadline:
+                time.sleep(0.05)
+                continue
+            why = (f"exited with code {exited}" if exited is not None else
+                   f"did not answer on {config.agent.socket} within {timeout:.0f} s")  # fmt: skip
+            proc.kill()
+            proc.wait(30)
+            raise RuntimeError(f"the node agent {why}{_log_tail(getattr(output, 'name', None))}") from None
+
+
+def _log_tail(name: Any, lines: int = 20) -> str:
+    """The last lines of the agent's log file, for an error message ("" when there is none to read)."""
+    if not isinstance(name, str) or not Path(name).is_file():
+        return "; run `flatcake agent serve` to see why"
+    tail = Path(name).read_text(errors="replace").splitlines()[-lines:]
+    return f"; the end of its log ({name}):\n" + "\n".join(tail)
 
 
 def run(config: EngineConfig) -> None:

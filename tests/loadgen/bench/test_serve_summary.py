@@ -52,3 +52,9 @@ def test_the_slice_s_size_is_checked_naming_the_field() -> None:
         with pytest.raises(ValueError, match=f"{field}: {value} must be"):
             serve.ServeConfig(**{field: value})
     assert serve.ServeConfig(users=8, device_tokens=4096, dram_bytes=32 << 20).users == 8
+
+
+def test_flatcake_s_placement_is_a_bench_setting_checked_by_name() -> None:
+    assert serve.ServeConfig(placement="copies").placement == "copies"
+    with pytest.raises(ValueError, match="placement: 'tiered' must be one of table2, adaptive, copies"):
+        serve.ServeConfig(placement="tiered")

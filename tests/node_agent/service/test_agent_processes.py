@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -160,3 +161,22 @@ def test_eight_clients_concurrently_with_two_killed(tmp_path: Path) -> None:
         assert ssd["used_bytes"] == ssd["pages"] * config.layers * config.page_bytes  # no orphaned space
     finally:
         stop_agent(agent)
+
+
+def test_an_agent_that_cannot_start_says_why_through_spawn(tmp_path: Path) -> None:
+    """``spawn`` (benchmarks, tests) used to say only "did not start"; now it says how the agent ended and
+    shows the end of its log: here a second agent on a pool the first one serves."""
+    from flatcake.node_agent.service.main import spawn
+
+    config = small_config(tmp_path / "node")
+    first = spawn(config, tmp_path / "node")
+    try:
+        second = tmp_path / "second"
+        second.mkdir()
+        other = dataclasses.replace(config, agent=dataclasses.replace(config.agent, socket=str(second / "a.sock")))
+        with pytest.raises(RuntimeError, match=r"exited with code [1-9](.|\n)*served by another flatcake agent") as err:
+            spawn(other, second)
+        assert str(second / "agent.log") in str(err.value)
+    finally:
+        first.terminate()
+        first.wait(30)
