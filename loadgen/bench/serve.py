@@ -199,9 +199,9 @@ def client_stats(agent: EngineConfig) -> dict[str, int]:
     return client
 
 
-def restored_pages(agent: EngineConfig) -> dict[str, int]:
-    """The agent's clients' restored pages by medium."""
-    client = client_stats(agent)
+def restored_pages(agent: EngineConfig, client: dict[str, int] | None = None) -> dict[str, int]:
+    """The agent's clients' restored pages by medium (from ``client``, counters already read, if given)."""
+    client = client_stats(agent) if client is None else client
     return {m: int(client.get(f"restore_pages_{m}", 0)) for m in ("dram", "ssd")}
 
 
@@ -281,8 +281,8 @@ def run_vllm_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace
         with server:
             log(f"  {system} (vLLM) at {qps:g} QPS: server ready in {server.start_seconds:.0f} s, replaying ...")
             cold = server.complete(probe)
-            base = restored_pages(agent) if agent else None
             counters = client_stats(agent) if agent else {}
+            base = restored_pages(agent, counters) if agent else None
             hits = (server.metric(VLLM_DEVICE_HITS), server.metric(VLLM_STORAGE_HITS))
             cpu = (server.cpu_seconds(), cpu_seconds(helpers))
             started = time.monotonic()

@@ -74,7 +74,7 @@ def seqlock_safe(machine: str | None = None) -> bool:
     return (platform.machine() if machine is None else machine).lower() in TSO_MACHINES
 
 
-__all__ = ["TSO_MACHINES", "SharedIndexReader", "SharedIndexWriter", "populate", "seqlock_safe"]
+__all__ = ["TSO_MACHINES", "SharedIndexReader", "SharedIndexWriter", "seqlock_safe"]
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in for writing, in one call
 
@@ -168,8 +168,8 @@ class SharedIndexWriter(KeyIndex):
             # Mapped in one go: faulting the pages in one by one as a restart's bulk load writes them cost
             # 3 s for a 1 GiB table (10M keys) against 0.4 s populated. The first table is populated by
             # ``warm`` instead, on the other core while recovery reads the journal.
-            populate = getattr(mmap, "MAP_POPULATE", 0) if self._live is not None else 0
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+            now = getattr(mmap, "MAP_POPULATE", 0) if self._live is not None else 0
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | now)
             ino = os.fstat(fd).st_ino
         except BaseException:
             os.close(fd)

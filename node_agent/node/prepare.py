@@ -30,6 +30,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from flatcake.errors import PrepareError
 from flatcake.node_agent.catalog.files import resolve_gid
@@ -240,19 +241,30 @@ def _unescape(path: str) -> str:
     return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), path)
 
 
-def _mountinfo() -> list[tuple[str, str, str]]:
-    """(major:minor, mount point, source) of every mount this process sees."""
+class Mount(NamedTuple):
+    """One line of /proc/self/mountinfo, the fields prepare reads."""
+
+    majmin: str
+    point: str
+    source: str
+    fstype: str
+    options: str  # the superblock's options (hugetlbfs: ``pagesize=2M``)
+
+
+def _mountinfo() -> list[Mount]:
+    """Every mount this process sees."""
     mounts = []
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        if " - " not in line or len(fields) < 5:
+        head, sep, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if not sep or len(fields) < 5:
             continue
-        tail = line.split(" - ", 1)[1].split()
-        mounts.append((fields[2], _unescape(fields[4]), _unescape(tail[1]) if len(tail) > 1 else ""))
+        rest += [""] * (3 - len(rest))
+        mounts.append(Mount(fields[2], _unescape(fields[4]), _unescape(rest[1]), rest[0], rest[2]))
     return mounts
 
 
-def _in_use(device: str, mounts: list[tuple[str, str, str]], swaps: set[str]) -> tuple[str, ...]:
+def _in_use(device: str, mounts: list[Mount], swaps: set[str]) -> tuple[str, ...]:
     """How ``device`` or one of its partitions is in use: mounted, held (md, device-mapper), swap."""
     sysfs = Path("/sys/class/block") / Path(device).name
     names = [Path(device).name]
@@ -263,7 +275,7 @@ def _in_use(device: str, mounts: list[tuple[str, str, str]], swaps: set[str]) ->
         node = Path("/sys/class/block") / name
         where = "" if name == names[0] else f"partition {name} "
         number = (node / "dev").read_text().strip() if (node / "dev").exists() else ""
-        uses += [f"{where}mounted at {point}" for majmin, point, _ in mounts if number and majmin == number]
+        uses += [f"{where}mounted at {m.point}" for m in mounts if number and m.majmin == number]
         holders = node / "holders"
         if holders.is_dir():
             uses += [f"{where}held by {h.name}" for h in sorted(holders.iterdir())]
@@ -287,7 +299,7 @@ def probe(c: EngineConfig) -> NodeState:
     devices = list(dict.fromkeys([*resolved.values(), *arrays]))
     existing = frozenset(d for d in devices if os.path.exists(d))
     mounts_seen = _mountinfo()
-    mounts = {point: os.path.realpath(src) if src.startswith("/dev/") else src for _, point, src in mounts_seen}
+    mounts = {m.point: os.path.realpath(m.source) if m.source.startswith("/dev/") else m.source for m in mounts_seen}
     swaps_file = Path("/proc/swaps")
     swaps_lines = swaps_file.read_text().splitlines()[1:] if swaps_file.exists() else []
     swaps = {os.path.realpath(line.split()[0]) for line in swaps_lines if line.split()}
@@ -301,19 +313,16 @@ def probe(c: EngineConfig) -> NodeState:
         in_use[dev] = _in_use(dev, mounts_seen, swaps)
     shares = hugepage_shares(c) if c.prepare.hugepage_size != "none" else {}
     return NodeState(huge, arrays, md_available, fs, mounts, existing, resolved, signatures, in_use, shares,
-                     _hugetlbfs_mounts())  # fmt: skip
+                     _hugetlbfs_mounts(mounts_seen))  # fmt: skip
 
 
-def _hugetlbfs_mounts() -> dict[str, int]:
-    """hugetlbfs mount points and their page bytes, from /proc/self/mountinfo (``pagesize=2M``)."""
+def _hugetlbfs_mounts(mounts: list[Mount]) -> dict[str, int]:
+    """hugetlbfs mount points and their page bytes (``pagesize=2M``; 2 MiB when it says none)."""
     found = {}
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        head, sep, tail = line.partition(" - ")
-        fields, rest = head.split(), tail.split()
-        if not sep or len(fields) < 5 or len(rest) < 3 or rest[0] != "hugetlbfs":
-            continue
-        option = next((o for o in rest[2].split(",") if o.startswith("pagesize=")), "pagesize=2M")
-        found[_unescape(fields[4])] = _size_bytes(option.removeprefix("pagesize="))
+    for m in mounts:
+        if m.fstype == "hugetlbfs":
+            option = next((o for o in m.options.split(",") if o.startswith("pagesize=")), "pagesize=2M")
+            found[m.point] = _size_bytes(option.removeprefix("pagesize="))
     return found
 
 

@@ -58,7 +58,7 @@ def spawn(config: EngineConfig, workdir: Path, output: Any = None, timeout: floa
 
 
 def _log_tail(name: Any, lines: int = 20) -> str:
-    """The last lines of the agent's log file, for an error message ("" when there is none to read)."""
+    """The last lines of the agent's log file for an error message, or where to look when there is no file."""
     if not isinstance(name, str) or not Path(name).is_file():
         return "; run `flatcake agent serve` to see why"
     tail = Path(name).read_text(errors="replace").splitlines()[-lines:]

@@ -91,86 +91,24 @@ class LayerLoads:
         return self.missing
 
 
-class AsyncLoads:
-    """Loads of parked requests, run in order on one thread; ``done()`` gives the requests that finished
-    since the last call, each with the page indexes it lacks."""
+class _InOrder:
+    """Jobs run in order on one daemon thread, started with the first job. A job stays queued while it runs
+    (``drain`` waits for it); ``_do`` runs one, ``_done`` records its result, under ``_cond``."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._done: list[tuple[str, set[int]]] = []
-        self._jobs: deque[tuple[str, int, Callable[[], set[int]]]] = deque()
-        self._wake = threading.Condition(self._lock)
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-
-    def submit(self, req_id: str, pages: int, load: Callable[[], set[int]]) -> None:
-        """Run ``load`` (returns the missing page indexes of ``pages``) for ``req_id``, after those before it."""
-        with self._lock:
-            self._jobs.append((req_id, pages, load))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="flatcake-vllm-loads", daemon=True)
-                self._thread.start()
-            self._wake.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._jobs and not self._stopping:
-                    self._wake.wait()
-                if not self._jobs:
-                    return
-                req_id, pages, load = self._jobs.popleft()
-            try:
-                missing = load()
-            except Exception as exc:  # a failed load is a miss: vLLM recomputes
-                missing = set(range(pages))
-                if not isinstance(exc, STORAGE_FAULTS):
-                    log.exception("FlatCake connector: an asynchronous load failed unexpectedly")
-                else:
-                    log.warning("FlatCake connector: load of %d blocks for %s failed: %s", pages, req_id, exc)
-            with self._lock:
-                self._done.append((req_id, missing))
-
-    def done(self) -> list[tuple[str, set[int]]]:
-        with self._lock:
-            done, self._done = self._done, []
-            return done
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(60)
-
-
-class SaveQueue:
-    """Saves stored off the step, in order, on one thread (module doc). ``store(job)`` runs a job: it
-    raises what the agent raised; a ``ConnectionError`` is retried for ``retry_s``."""
-
-    def __init__(self, store: Callable[[Any], None], max_bytes: int, retry_s: float = 30.0) -> None:
-        self._store, self.max_bytes, self.retry_s = store, max_bytes, retry_s
+    def __init__(self, name: str) -> None:
+        self._name = name
         self._cond = threading.Condition()
-        self._jobs: deque[tuple[int, Any]] = deque()
-        self.pending_bytes = 0
-        self.stored = self.dropped = 0  # jobs
+        self._jobs: deque[Any] = deque()
         self._stopping = False
         self._thread: threading.Thread | None = None
 
-    def submit(self, nbytes: int, job: Any) -> float:
-        """Queue ``job`` (``nbytes`` of copied pages); the seconds spent waiting for room (a stall)."""
-        started = time.monotonic()
-        with self._cond:
-            # One job larger than the bound still goes, alone: waiting for room it can never have would hang.
-            while self.pending_bytes and self.pending_bytes + nbytes > self.max_bytes:
-                self._cond.wait()
-            self._jobs.append((nbytes, job))
-            self.pending_bytes += nbytes
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="flatcake-vllm-saves", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-        return time.monotonic() - started
+    def _queue(self, job: Any) -> None:
+        """Append ``job`` (the caller holds ``_cond``)."""
+        self._jobs.append(job)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
@@ -179,23 +117,109 @@ class SaveQueue:
                     self._cond.wait()
                 if not self._jobs:
                     return
-                nbytes, job = self._jobs[0]
-            ok = self._attempt(job)
+                job = self._jobs[0]
+            result = self._do(job)
             with self._cond:
                 self._jobs.popleft()
-                self.pending_bytes -= nbytes
-                if ok:
-                    self.stored += 1
-                else:
-                    self.dropped += 1
+                self._done(job, result)
                 self._cond.notify_all()
 
-    def _attempt(self, job: Any) -> bool:
+    def _do(self, job: Any) -> Any:
+        raise NotImplementedError
+
+    def _done(self, job: Any, result: Any) -> None:
+        raise NotImplementedError
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued job ended; False when ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._jobs:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Run what is queued (for at most ``timeout``), then end the thread."""
+        self.drain(timeout)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            with contextlib.suppress(RuntimeError):
+                self._thread.join(timeout)
+
+
+class AsyncLoads(_InOrder):
+    """Loads of parked requests, run in order on one thread; ``done()`` gives the requests that finished
+    since the last call, each with the page indexes it lacks."""
+
+    def __init__(self) -> None:
+        super().__init__("flatcake-vllm-loads")
+        self._finished: list[tuple[str, set[int]]] = []
+
+    def submit(self, req_id: str, pages: int, load: Callable[[], set[int]]) -> None:
+        """Run ``load`` (returns the missing page indexes of ``pages``) for ``req_id``, after those before it."""
+        with self._cond:
+            self._queue((req_id, pages, load))
+
+    def _do(self, job: tuple[str, int, Callable[[], set[int]]]) -> set[int]:
+        req_id, pages, load = job
+        try:
+            return load()
+        except Exception as exc:  # a failed load is a miss: vLLM recomputes
+            if not isinstance(exc, STORAGE_FAULTS):
+                log.exception("FlatCake connector: an asynchronous load failed unexpectedly")
+            else:
+                log.warning("FlatCake connector: load of %d blocks for %s failed: %s", pages, req_id, exc)
+            return set(range(pages))
+
+    def _done(self, job: tuple[str, int, Callable[[], set[int]]], result: set[int]) -> None:
+        self._finished.append((job[0], result))
+
+    def done(self) -> list[tuple[str, set[int]]]:
+        with self._cond:
+            done, self._finished = self._finished, []
+            return done
+
+
+class SaveQueue(_InOrder):
+    """Saves stored off the step, in order, on one thread (module doc). ``store(job)`` runs a job: it
+    raises what the agent raised; a ``ConnectionError`` is retried for ``retry_s``."""
+
+    def __init__(self, store: Callable[[Any], None], max_bytes: int, retry_s: float = 30.0) -> None:
+        super().__init__("flatcake-vllm-saves")
+        self._store, self.max_bytes, self.retry_s = store, max_bytes, retry_s
+        self.pending_bytes = 0
+        self.stored = self.dropped = 0  # jobs
+
+    def submit(self, nbytes: int, job: Any) -> float:
+        """Queue ``job`` (``nbytes`` of copied pages); the seconds spent waiting for room (a stall)."""
+        started = time.monotonic()
+        with self._cond:
+            # One job larger than the bound still goes, alone: waiting for room it can never have would hang.
+            while self.pending_bytes and self.pending_bytes + nbytes > self.max_bytes:
+                self._cond.wait()
+            self.pending_bytes += nbytes
+            self._queue((nbytes, job))
+        return time.monotonic() - started
+
+    def _done(self, job: tuple[int, Any], ok: bool) -> None:
+        self.pending_bytes -= job[0]
+        if ok:
+            self.stored += 1
+        else:
+            self.dropped += 1
+
+    def _do(self, job: tuple[int, Any]) -> bool:
+        """Store one save, retrying while the agent is away; whether it was stored."""
         deadline = time.monotonic() + self.retry_s
         pause = 0.05
         while True:
             try:
-                self._store(job)
+                self._store(job[1])
                 return True
             except ConnectionError as exc:  # the agent went away: a restarted one takes the save
                 if time.monotonic() + pause > deadline or self._stopping:
@@ -209,24 +233,3 @@ class SaveQueue:
                 else:
                     log.warning("FlatCake connector: a save failed: %s", exc)
                 return False
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every queued save ended; False when ``timeout`` passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._jobs:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
-
-    def stop(self, timeout: float = 60.0) -> None:
-        """Store what is queued (for at most ``timeout``), then end the thread."""
-        self.drain(timeout)
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            with contextlib.suppress(RuntimeError):
-                self._thread.join(timeout)
