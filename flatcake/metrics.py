@@ -130,8 +130,8 @@ _SPECS = [
         "counter",
         ("phase",),
         "seconds",
-        "Time vLLM's steps waited on FlatCake's connector: a layer's bytes (load), copying blocks out and room "
-        "in the save queue (save).",
+        "Time vLLM's steps waited on FlatCake's connector: a layer's bytes (load), room in the save queue and "
+        "copying out the blocks of finished or preempted requests not yet stored (save).",
     ),
     Spec(
         "flatcake_connector_pages",
@@ -139,7 +139,8 @@ _SPECS = [
         ("kind",),
         "",
         "Pages FlatCake's vLLM connector moved: loaded under a step's forward layer by layer (layerwise), loaded "
-        "while vLLM parked the request (async), copied out to be stored after the step (saved).",
+        "while vLLM parked the request (async), stored after the step (saved), copied out by a step because "
+        "their request finished or was preempted before the save thread reached them (released).",
     ),
     Spec("flatcake_pages_missing", "counter", (), "", "Pages a restore could not read (left to recompute)."),
     Spec("flatcake_io_errors", "counter", ("kind",), "", "I/O errors by kind (errno name, short_read, write)."),
@@ -356,6 +357,7 @@ STATS_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "connector_pages_layerwise": ("flatcake_connector_pages", ("layerwise",)),
     "connector_pages_async": ("flatcake_connector_pages", ("async",)),
     "connector_pages_saved": ("flatcake_connector_pages", ("saved",)),
+    "connector_pages_released": ("flatcake_connector_pages", ("released",)),
 }
 # Counters kept in integer units where the metric's unit is larger (microseconds reported as seconds).
 STATS_SCALE = {"connector_stall_us_load": 1e-6, "connector_stall_us_save": 1e-6}

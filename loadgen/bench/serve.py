@@ -105,6 +105,8 @@ class ServeConfig:
 
 QUICK = ServeConfig(qps=(0.5,), requests=16, repeats=1)
 
+CONNECTOR_PAGES = ("layerwise", "async", "saved", "released")  # flatcake_connector_pages{kind}
+
 
 def trace_for(cfg: ServeConfig, out: Path) -> Path:
     path = out / "trace.jsonl"
@@ -216,7 +218,7 @@ def connector_report(before: dict[str, int], after: dict[str, int]) -> dict[str,
     stall = {phase: moved(f"connector_stall_us_{phase}") / 1e6 for phase in ("load", "save")}
     return {"load": "layerwise+async", "save": "async", "step_stall_s": sum(stall.values()),
             "step_stall_s_by_phase": stall,
-            "connector_pages": {k: moved(f"connector_pages_{k}") for k in ("layerwise", "async", "saved")}}  # fmt: skip
+            "connector_pages": {k: moved(f"connector_pages_{k}") for k in CONNECTOR_PAGES}}  # fmt: skip
 
 
 def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Path, where: Path,

@@ -15,18 +15,20 @@ vLLM builds one instance per role (vLLM 0.32, ``distributed/kv_transfer/kv_conne
 - **worker**: ``register_kv_caches`` takes the per-layer KV tensors, each ``[blocks][...]`` with one block
   contiguous (on the CPU ``[blocks, kv_heads, block_size, 2 x head_size]``, a layout the attention kernel
   packs: a block is moved whole, as opaque bytes); ``start_load_kv`` starts the step's loads on threads
-  (``transfers.py``), ``wait_for_layer_load`` waits for one layer's bytes only; ``wait_for_save`` copies the
-  blocks the step completed out of vLLM's buffer and queues their store, which runs after the step (vLLM
-  may free a block at once: a preempted request's are freed without asking). ``step_stall_s``: the time
-  the step waited on the connector (a layer's bytes, the copy, room in the save queue), reported to the
-  agent (``flatcake_connector_stall_seconds``).
+  (``transfers.py``), ``wait_for_layer_load`` waits for one layer's bytes only; ``wait_for_save`` queues the
+  store of the blocks the step completed, as references: a thread copies them out of vLLM's buffer and
+  stores them after the step. vLLM frees a finished or preempted request's blocks without asking (saves
+  hold none), and the next forward may write them: ``handle_preemptions``, which vLLM calls before every
+  forward, copies out what the thread has not yet of the requests the step's metadata names finished or
+  preempted. ``step_stall_s``: the time the step waited on the connector (a layer's bytes, such a copy,
+  room in the save queue), reported to the agent (``flatcake_connector_stall_seconds``).
 
 One vLLM block is one FlatCake page of ``layers x page_bytes`` (``page_bytes``: a layer's block, padded to
 4 KiB); the geometry is checked against the agent's when the worker registers. Extra config:
 ``async_loads`` (``ssd``: a prefix with a page on SSD loads outside the steps; ``all``; ``none``: every
-load in its step), ``save_queue_bytes`` (copied blocks waiting to be stored, 1 GiB; beyond it a step
-waits), ``save_retry_s`` (how long a save waits for a restarted agent, 30 s). Placement signals come
-from the block-hash chain, as the SGLang backend derives them (``policy/signals.py``). A block that fails
+load in its step), ``save_queue_bytes`` (blocks waiting to be stored, 1 GiB; beyond it a step waits),
+``save_retry_s`` (how long a save waits for a restarted agent, 30 s). Placement signals come from the
+block-hash chain, as the SGLang backend derives them (``policy/signals.py``). A block that fails
 to load is reported to vLLM (``get_block_ids_with_load_errors``), which recomputes it with
 ``kv_load_failure_policy: recompute``.
 """
@@ -58,7 +60,7 @@ from flatcake.node_agent.policy.signals import ChainSignals
 from flatcake.node_agent.service.client import RemoteCatalog, connect
 from flatcake.node_agent.service.hints import deployment_hints, run_hints, tenant_suffix
 from flatcake.node_agent.vllm.plan import Load, Save, Tracker, block_keys, lookup_range, rank_suffix
-from flatcake.node_agent.vllm.transfers import STORAGE_FAULTS, AsyncLoads, LayerLoads, SaveQueue
+from flatcake.node_agent.vllm.transfers import STORAGE_FAULTS, AsyncLoads, LayerLoads, SaveJob, SaveQueue
 
 # Under vLLM's logger tree: vLLM configures only its own loggers, so this one prints where vLLM's do.
 log = logging.getLogger("vllm.flatcake.connector")
@@ -70,9 +72,10 @@ ASYNC_LOADS = ("ssd", "all", "none")  # which loads park their request outside t
 class FlatCakeConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One step's plan, pickled from the scheduler to the worker."""
 
-    def __init__(self, loads: list[Load], saves: list[Save]) -> None:
+    def __init__(self, loads: list[Load], saves: list[Save], released: set[str] | None = None) -> None:
         self.loads = loads
         self.saves = saves
+        self.released = released or set()  # finished or preempted since the last step: vLLM may reuse their blocks
 
 
 class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -209,7 +212,8 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for i, req_id in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
             plan(req_id, ids[0] if ids else None, req_id in cached.resumed_req_ids, cached.num_computed_tokens[i])
-        return FlatCakeConnectorMetadata(loads, saves)
+        released = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        return FlatCakeConnectorMetadata(loads, saves, released)
 
     def _derive(self, save: Save, request: Any) -> None:
         """The save's runs and their hints, from the chains this scheduler has seen (recorded now: the save
@@ -231,7 +235,7 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._request_keys.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._parked_once.discard(request.request_id)
-        return False, None  # saves copy their blocks out within the step: vLLM may free them at once
+        return False, None  # vLLM may free the blocks: the worker's handle_preemptions copies out pending saves
 
     # ---- worker side -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -332,12 +336,22 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._fail(load.block_ids, {i - at for i in missing if at <= i < at + len(load.keys)})
             at += len(load.keys)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward (vLLM calls it every step): the blocks of requests finished or preempted
+        since the last step may be written by this forward; copy out the saves of theirs still queued."""
+        meta = kv_connector_metadata
+        if isinstance(meta, FlatCakeConnectorMetadata) and meta.released and self._saves is not None:
+            seconds, pages = self._saves.release(meta.released)
+            self.stall["save"] += seconds
+            if pages:
+                self._engine().stats.add("connector_pages_released", pages)
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Blocks are saved whole in ``wait_for_save``, once every layer has written them."""
 
     def wait_for_save(self) -> None:
-        """After the forward: copy the blocks the step completed out of vLLM's buffer and queue their store
-        (it runs after the step); a full queue makes the step wait (a stall, reported)."""
+        """After the forward: queue the store of the blocks the step completed (copied out and stored after the
+        step); a full queue makes the step wait (a stall, reported)."""
         self._end_step_loads()
         meta = self._get_connector_metadata()
         if isinstance(meta, FlatCakeConnectorMetadata) and self.writer:
@@ -348,7 +362,16 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _save(self, save: Save) -> None:
         if not save.runs:
             return
-        started = time.monotonic()
+        if self._saves is None:
+            self._saves = SaveQueue(self._store, self.save_queue_bytes, self.save_retry_s)
+        nbytes = len(save.block_ids) * len(self._layers) * self.page_bytes
+        job = SaveJob(save.req_id, nbytes, functools.partial(self._gather, save), pages=len(save.block_ids))
+        self.stall["save"] += self._saves.submit(job)
+        self._engine().stats.add("connector_pages_saved", len(save.block_ids))
+
+    def _gather(self, save: Save) -> list[tuple[list[str], npt.NDArray[np.uint8], Any]]:
+        """The save's blocks copied out of vLLM's buffer, as its puts (on the save thread, or the step's
+        ``handle_preemptions``)."""
         ids = np.asarray(save.block_ids, dtype=np.int64)
         kv = aligned_empty((len(self._layers), len(ids), self.page_bytes))
         for layer, blocks in enumerate(self._layers):
@@ -360,11 +383,7 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 part, view = aligned_empty(part.shape), part
                 part[...] = view
             puts.append((save.keys[start:stop], part, hints))
-        if self._saves is None:
-            self._saves = SaveQueue(self._store, self.save_queue_bytes, self.save_retry_s)
-        self._saves.submit(kv.nbytes, puts)
-        self.stall["save"] += time.monotonic() - started
-        self._engine().stats.add("connector_pages_saved", len(ids))
+        return puts
 
     def _store(self, puts: list[tuple[list[str], npt.NDArray[np.uint8], Any]]) -> None:
         engine = self._engine()

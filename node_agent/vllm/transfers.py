@@ -6,11 +6,14 @@ request waits for outside the step, and saves stored after it. No vLLM import (t
   have landed, so layer ``l + 1`` is read while layer ``l`` computes (FC-CIO's window, in vLLM's terms).
 - ``AsyncLoads``: loads of requests vLLM parks until they finish (``WAITING_FOR_REMOTE_KVS``), one thread,
   in order; finished requests are collected for ``get_finished``.
-- ``SaveQueue``: saves whose bytes were already copied out of vLLM's blocks (vLLM may free or reuse a
-  block as soon as the step ends: a preempted request's blocks are freed without asking the connector),
-  stored on one thread, in order. At most ``max_bytes`` wait; a save beyond that waits for room (the step
-  stalls, and says so). A save whose agent went away is retried until it answers again (a restarted
-  agent), for at most ``retry_s``; then it is dropped: a miss later, never a wrong page.
+- ``SaveQueue``: saves stored on one thread, in order, after the step. A save is queued as a reference to
+  vLLM's blocks; the thread copies them out (``gather``) and stores the copy. A request's blocks stay
+  vLLM's until it finishes or is preempted; then vLLM may hand them to another request, whose next
+  forward writes them. ``release(req_ids)`` (called before that forward: vLLM's ``handle_preemptions``)
+  copies out, on the caller, whatever of those requests the thread has not yet, so the step waits only
+  for that. At most ``max_bytes`` of blocks wait; a save beyond that waits for room (the step stalls, and
+  says so). A save whose agent went away is retried until it answers again (a restarted agent), for at
+  most ``retry_s``; then it is dropped: a miss later, never a wrong page.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flatcake.errors import FlatCakeError
@@ -185,41 +189,95 @@ class AsyncLoads(_InOrder):
             return done
 
 
+@dataclass(eq=False)
+class SaveJob:
+    """One step's save of one request's blocks: ``gather()`` copies them out of vLLM's buffer (once: on the
+    save thread, or on the step by ``release``); ``data`` is that copy, what ``store`` is given."""
+
+    req_id: str
+    nbytes: int
+    gather: Callable[[], Any]
+    pages: int = 0
+    data: Any = None
+    gathering: bool = False  # the save thread is copying it now (``release`` waits for that)
+    failed: bool = False
+
+
 class SaveQueue(_InOrder):
-    """Saves stored off the step, in order, on one thread (module doc). ``store(job)`` runs a job: it
-    raises what the agent raised; a ``ConnectionError`` is retried for ``retry_s``."""
+    """Saves stored off the step, in order, on one thread (module doc). ``store(data)`` stores a job's copy:
+    it raises what the agent raised; a ``ConnectionError`` is retried for ``retry_s``."""
 
     def __init__(self, store: Callable[[Any], None], max_bytes: int, retry_s: float = 30.0) -> None:
         super().__init__("flatcake-vllm-saves")
         self._store, self.max_bytes, self.retry_s = store, max_bytes, retry_s
         self.pending_bytes = 0
         self.stored = self.dropped = 0  # jobs
+        self.gathered_on_release = 0  # jobs the step had to copy out itself (their blocks were released)
 
-    def submit(self, nbytes: int, job: Any) -> float:
-        """Queue ``job`` (``nbytes`` of copied pages); the seconds spent waiting for room (a stall)."""
+    def submit(self, job: SaveJob) -> float:
+        """Queue ``job``; the seconds spent waiting for room (a stall)."""
         started = time.monotonic()
         with self._cond:
             # One job larger than the bound still goes, alone: waiting for room it can never have would hang.
-            while self.pending_bytes and self.pending_bytes + nbytes > self.max_bytes:
+            while self.pending_bytes and self.pending_bytes + job.nbytes > self.max_bytes:
                 self._cond.wait()
-            self.pending_bytes += nbytes
-            self._queue((nbytes, job))
+            self.pending_bytes += job.nbytes
+            self._queue(job)
         return time.monotonic() - started
 
-    def _done(self, job: tuple[int, Any], ok: bool) -> None:
-        self.pending_bytes -= job[0]
+    def release(self, req_ids: Collection[str]) -> tuple[float, int]:
+        """vLLM is about to reuse the blocks of ``req_ids`` (finished, preempted): copy out every queued job of
+        theirs the thread has not copied yet, waiting for one it is copying now; the seconds it took and the
+        pages it copied."""
+        started = time.monotonic()
+        pages = 0
+        if not req_ids:
+            return 0.0, 0
+        with self._cond:
+            for job in list(self._jobs):
+                if job.req_id not in req_ids:
+                    continue
+                while job.gathering:
+                    self._cond.wait()
+                if job.data is None and not job.failed:
+                    self._gather(job)  # under the lock: the thread, if it reaches this job, finds it copied
+                    self.gathered_on_release += 1
+                    pages += job.pages
+        return time.monotonic() - started, pages
+
+    @staticmethod
+    def _gather(job: SaveJob) -> None:
+        try:
+            job.data = job.gather()
+        except Exception:  # a save that cannot be copied is a miss later, never a crash of the step
+            log.exception("FlatCake connector: copying a save's blocks failed")
+            job.failed = True
+
+    def _done(self, job: SaveJob, ok: bool) -> None:
+        self.pending_bytes -= job.nbytes
         if ok:
             self.stored += 1
         else:
             self.dropped += 1
 
-    def _do(self, job: tuple[int, Any]) -> bool:
-        """Store one save, retrying while the agent is away; whether it was stored."""
+    def _do(self, job: SaveJob) -> bool:
+        """Copy the job's blocks out (unless ``release`` did), then store them, retrying while the agent is
+        away; whether it was stored."""
+        with self._cond:
+            mine = job.data is None and not job.failed
+            job.gathering = mine
+        if mine:
+            self._gather(job)
+            with self._cond:
+                job.gathering = False
+                self._cond.notify_all()
+        if job.failed:
+            return False
         deadline = time.monotonic() + self.retry_s
         pause = 0.05
         while True:
             try:
-                self._store(job[1])
+                self._store(job.data)
                 return True
             except ConnectionError as exc:  # the agent went away: a restarted one takes the save
                 if time.monotonic() + pause > deadline or self._stopping:

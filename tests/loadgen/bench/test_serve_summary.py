@@ -40,7 +40,7 @@ def test_the_connector_report_is_the_run_s_counters_and_reaches_the_table() -> N
     assert report["load"] == "layerwise+async" and report["save"] == "async"
     assert report["step_stall_s_by_phase"] == {"load": 0.25, "save": 0.04}
     assert report["step_stall_s"] == pytest.approx(0.29)
-    assert report["connector_pages"] == {"layerwise": 3, "async": 20, "saved": 90}
+    assert report["connector_pages"] == {"layerwise": 3, "async": 20, "saved": 90, "released": 0}
     row = {**serve.summarize("flatcake", 1.0, [_record(i) for i in range(4)], 10.0, True, 960, None), **report}
     (summary,) = serve.summary([row])
     assert summary["load"] == "layerwise+async" and summary["step_stall_s"] == pytest.approx(0.29)

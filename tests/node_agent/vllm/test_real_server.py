@@ -30,6 +30,7 @@ BLOCK = 128
 HITS = "vllm:external_prefix_cache_hits_total"
 SESSION = " ".join(f"word{i} alpha beta gamma" for i in range(200))  # 2,281 tokens: 17 full blocks
 SHARED = " ".join(f"item{i} delta epsilon zeta" for i in range(110))  # a prompt the request says is shared
+OTHER = " ".join(f"line{i} eta theta iota" for i in range(110))
 
 
 def test_prefixes_come_back_from_flatcake_into_a_real_vllm_server(tmp_path: Path) -> None:
@@ -90,7 +91,8 @@ def test_prefixes_come_back_from_flatcake_into_a_real_vllm_server(tmp_path: Path
 def test_a_failed_load_is_recomputed_and_saves_outlive_a_killed_agent(tmp_path: Path) -> None:
     """Faults between a real vLLM server and FlatCake: a parked load whose pages are damaged on SSD is a miss
     vLLM recomputes (the same output as the cold run); blocks saved while the agent is killed (kill -9) wait
-    in the connector's save queue and land in the restarted agent: none lost."""
+    in the connector's save queue and land in the restarted agent: none lost, those of a request that finished
+    meanwhile copied out of vLLM's blocks before the next forward could write them."""
     model = make_model(tmp_path / "model")
     g = geometry.load(model, page_tokens=BLOCK)
     config = small_config(tmp_path / "agent", layers=g.layers, page_bytes=g.page_bytes, page_tokens=BLOCK,
@@ -111,11 +113,16 @@ def test_a_failed_load_is_recomputed_and_saves_outlive_a_killed_agent(tmp_path: 
             assert max(abs(a - b) for a, b in zip(damaged.token_logprobs, cold.token_logprobs, strict=True)) < 0.05
             stats = agent_stats(socket)["client_stats"]
             assert stats.get("verify_failures", 0) + stats.get("pages_missing", 0) >= 1, stats
-            agent.kill()  # kill -9: the agent is gone while the next request's blocks are saved
+            agent.kill()  # kill -9: the agent is gone while the next requests' blocks are saved
             agent.wait(30)
-            other = server.complete(SHARED)  # lookups miss, its saves wait in the connector's queue
+            # Lookups miss, saves wait in the connector's queue: the first's blocks copied out by the save thread
+            # (which then waits for the agent), the second's not yet when it finishes: the step after, before
+            # vLLM may write them, copies them out itself (released).
+            first = server.complete(OTHER)
+            other = server.complete(SHARED)
+            server.complete("a step after the last one finished", max_tokens=1)
             agent = spawn(config, tmp_path / "agent", output=log)
-            blocks = other.prompt_tokens // BLOCK
+            blocks = first.prompt_tokens // BLOCK + other.prompt_tokens // BLOCK
             wait_until(lambda: sum(agent_stats(socket)["placements"].values()) >= blocks,
                        what="the saves queued while the agent was down to land in the restarted one")  # fmt: skip
             server.reset_prefix_cache()
@@ -123,6 +130,8 @@ def test_a_failed_load_is_recomputed_and_saves_outlive_a_killed_agent(tmp_path: 
             again = server.complete(SHARED)
             assert server.metric(HITS) - before == (other.prompt_tokens - 1) // BLOCK * BLOCK
             assert again.text == other.text
+            moved = agent_stats(socket)["client_stats"]
+            assert moved.get("connector_pages_released", 0) >= other.prompt_tokens // BLOCK, moved
     finally:
         agent.terminate()
         agent.wait(30)

@@ -1,7 +1,7 @@
 """The vLLM connector's transfers off the step (node_agent/vllm/transfers.py), without a server: a layer's
 wait returns only once that layer's bytes landed and the forward can start before the last layer has;
-parked loads report when they end; saves run after the step, wait for room past their bound, and are
-retried while the agent is away."""
+parked loads report when they end; saves run after the step (their blocks copied out there, or by the step
+that releases them), wait for room past their bound, and are retried while the agent is away."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from flatcake.node_agent.vllm.transfers import AsyncLoads, LayerLoads, SaveQueue
+from flatcake.node_agent.vllm.transfers import AsyncLoads, LayerLoads, SaveJob, SaveQueue
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.unit
@@ -95,6 +95,10 @@ def test_parked_loads_report_in_order_with_their_misses() -> None:
     a.stop()
 
 
+def job(name: str, nbytes: int) -> SaveJob:
+    return SaveJob(name, nbytes, lambda: name)
+
+
 def test_saves_run_after_the_step_wait_for_room_and_are_retried_while_the_agent_is_away() -> None:
     stored: list[str] = []
     agent_up = threading.Event()
@@ -110,16 +114,16 @@ def test_saves_run_after_the_step_wait_for_room_and_are_retried_while_the_agent_
         stored.append(job)
 
     q = SaveQueue(store, max_bytes=100, retry_s=30.0)
-    assert q.submit(60, "slow") < 1.0  # queued: the step goes on while it is stored
+    assert q.submit(job("slow", 60)) < 1.0  # queued: the step goes on while it is stored
     waited: list[float] = []
-    step = threading.Thread(target=lambda: waited.append(q.submit(60, "next")))
+    step = threading.Thread(target=lambda: waited.append(q.submit(job("next", 60))))
     step.start()  # 60 + 60 > 100: this step waits for room
     wait_until(lambda: q.pending_bytes == 60, what="the first save to be in flight")
     assert step.is_alive()
     release.set()
     step.join(30)
     assert waited and stored[:1] == ["slow"]
-    q.submit(10, "during-restart")
+    q.submit(job("during-restart", 10))
     wait_until(lambda: attempts["n"] >= 2, what="the save to be retried while the agent is away")
     agent_up.set()  # a restarted agent answers: the save lands, none lost
     assert q.drain(30) and stored == ["slow", "next", "during-restart"] and q.dropped == 0
@@ -134,7 +138,72 @@ def test_a_save_the_agent_refuses_is_dropped_and_the_queue_goes_on() -> None:
             raise PoolFullError("SSD file pool full")
 
     q = SaveQueue(store, max_bytes=100, retry_s=0.0)
-    q.submit(10, "full")
-    q.submit(10, "fine")
+    q.submit(job("full", 10))
+    q.submit(job("fine", 10))
     assert q.drain(30) and (q.stored, q.dropped) == (1, 1)
+    q.stop()
+
+
+def test_a_save_is_copied_out_on_the_thread_unless_its_blocks_are_released_first() -> None:
+    """A save is a reference to vLLM's blocks until copied out: by the save thread after the step, or by the
+    step that releases the request's blocks (finished, preempted) before its forward may overwrite them.
+    Either way the stored bytes are the ones the step completed."""
+    blocks = np.zeros((4, 8), dtype=np.uint8)
+    stored: dict[str, bytes] = {}
+    busy = threading.Event()
+    gathered_by: dict[str, str] = {}
+
+    def gather(req: str, block: int) -> bytes:
+        gathered_by[req] = threading.current_thread().name
+        return blocks[block].tobytes()
+
+    def store(data: tuple[str, bytes]) -> None:
+        if data[0] == "a":
+            assert busy.wait(30)  # the thread is busy storing a: b waits in the queue, not copied yet
+        stored[data[0]] = data[1]
+
+    q = SaveQueue(store, max_bytes=1 << 20)
+    blocks[0], blocks[1] = 1, 2
+    q.submit(SaveJob("a", 8, lambda: ("a", gather("a", 0))))
+    q.submit(SaveJob("b", 8, lambda: ("b", gather("b", 1)), pages=1))
+    wait_until(lambda: "a" in gathered_by, what="the thread to copy a's blocks out")
+    assert "b" not in gathered_by  # not copied on submit: the step did not wait for it
+    assert q.release({"b"})[1] == 1 and gathered_by["b"] == threading.current_thread().name
+    blocks[1] = 99  # the next forward writes b's freed block: the save keeps the bytes it had
+    blocks[0] = 98  # a's blocks were copied by the thread before
+    busy.set()
+    assert q.drain(30) and stored == {"a": bytes([1] * 8), "b": bytes([2] * 8)}
+    assert q.gathered_on_release == 1 and q.stored == 2
+    q.stop()
+
+
+def test_release_waits_for_a_copy_the_thread_has_begun() -> None:
+    copying = threading.Event()
+    finish = threading.Event()
+    waiting = threading.Event()
+    order: list[str] = []
+
+    class Observed(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            if threading.current_thread().name == "step":
+                waiting.set()
+            return super().wait(timeout)
+
+    def slow_gather() -> str:
+        copying.set()
+        assert finish.wait(30)
+        order.append("copied")
+        return "a"
+
+    q = SaveQueue(lambda data: order.append("stored"), max_bytes=1 << 20)
+    q._cond = Observed()
+    q.submit(SaveJob("a", 8, slow_gather))
+    assert copying.wait(30)
+    step = threading.Thread(target=lambda: (q.release({"a"}), order.append("released")), name="step")
+    step.start()
+    assert waiting.wait(30)  # the step waits: the thread is reading blocks the forward may overwrite
+    assert "released" not in order
+    finish.set()
+    step.join(30)
+    assert q.drain(30) and order.index("copied") < order.index("released") and q.gathered_on_release == 0
     q.stop()
