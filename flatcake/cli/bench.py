@@ -125,6 +125,8 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from flatcake.loadgen.bench import serve
 
+    if args.calibrate:
+        return _serve_calibration(Path(args.out))
     cfg = serve.QUICK if args.quick else serve.ServeConfig()
     fields = ("qps", "requests", "trace", "layout", "repeats", "users", "device_tokens", "dram_bytes", "placement")
     given = {name: getattr(args, name) for name in fields if getattr(args, name)}
@@ -139,6 +141,25 @@ def _bench_serve(args: argparse.Namespace) -> int:
     print(serve.format_table(report))
     print(f"report: {Path(args.out) / 'serve.json'} (and serve.md, serve.png)", file=sys.stderr)
     return 0 if all(r["ran"] for r in report["systems"]) else 1
+
+
+def _serve_calibration(out: Path) -> int:
+    """``bench serve --calibrate``: the slice's restore-to-prefill ratio against a GPU deployment's."""
+    from flatcake.loadgen.bench import serve_calibration as cal
+    from flatcake.loadgen.simulate.devices import PROFILES
+
+    here, gpu = PROFILES["this-vm"], PROFILES["nvme-raid0-4x-pm9a3"]
+    report = cal.calibrate(out, here_read_bytes_per_s=here.read_bytes_per_s, gpu_read_bytes_per_s=gpu.read_bytes_per_s,
+                           log=lambda m: print(m, file=sys.stderr))  # fmt: skip
+    ref = report["reference"]
+    print("| where | KV B/token | prefill ms/token | read GB/s | restore/prefill | cheaper here by |")
+    print("|---|---|---|---|---|---|")
+    for row in [ref, *report["here"]]:
+        print(f"| {row['where']} | {row['kv_bytes_per_token']:,.0f} | {row['prefill_s_per_token'] * 1e3:.4f} | "
+              f"{row['read_bytes_per_s'] / 1e9:.2f} | {row['restore_over_prefill']:.4f} | "
+              f"{row.get('factor', 1.0):.1f}x |")  # fmt: skip
+    print(f"report: {out / 'serve-calibration.json'}", file=sys.stderr)
+    return 0
 
 
 def add(sub: Subparsers) -> None:
@@ -186,6 +207,9 @@ def add(sub: Subparsers) -> None:
     sv.add_argument("--dram-bytes", type=int, dest="dram_bytes",
                     help="FlatCake's DRAM pool, Mooncake's segment, vllm-offload's tier (default 64 MiB)")  # fmt: skip
     sv.add_argument("--placement", choices=PLACEMENT_MODES, help="FlatCake's placement.mode (default table2)")
+    sv.add_argument("--calibrate", action="store_true",
+                    help="instead: time cold prefills of the slice's model (and shapes with more KV per FLOP) "
+                         "in vLLM; restore/prefill against Llama-3.1-70B TP4 on H200, 4 NVMe drives")  # fmt: skip
     sv.add_argument("--out", default="results/serve", help="where runs, serve.json, serve.md, serve.png go")
     sv.set_defaults(func=_bench_serve)
 
