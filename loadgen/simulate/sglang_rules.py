@@ -183,7 +183,7 @@ class Tiered(System):
             # SGLang's write_through (its documented setting with a storage backend) backs every page up
             # to storage as it enters the host tier, so the node's L3 serves its other instances too. HBM
             # waits for the host copy only: the backup runs from the host tier.
-            self._l3_append(inst.node, [k for k in new if k not in self.l3[inst.node]])
+            self._l3_append(inst.node, self._unstored(inst.node, new))
         self.loop.at(max(done, spilled or done), inst.hbm.pin, new, -1)
 
     def _l2_insert(self, inst: Instance, keys: list[int]) -> float | None:
@@ -199,12 +199,25 @@ class Tiered(System):
             return None
         evicted = [l2.popitem(last=False)[0] for _ in range(excess)]
         if self.l3_enabled:
-            return self._l3_append(inst.node, [k for k in evicted if k not in self.l3[inst.node]])
+            return self._l3_append(inst.node, self._unstored(inst.node, evicted))
         return None
 
+    def _unstored(self, node: int, keys: list[int]) -> list[int]:
+        """The keys the L3 does not hold (SGLang's backends are asked ``batch_exists`` and write the rest)."""
+        l3 = self.l3[node]
+        return [k for k in keys if k not in l3]
+
     def _l3_append(self, node: int, keys: list[int]) -> float | None:
+        """Write ``keys`` to the node's log, found at once; returns when the device has written them."""
         if not keys:
             return None
+        writes = self._log(node, keys)
+        span = self.c.page_span
+        return self.ssd[node].submit(self.loop.now, writes * span, max(1, writes * span // self.c.bucket_bytes),
+                                     write=True)  # fmt: skip
+
+    def _log(self, node: int, keys: list[int]) -> int:
+        """Append ``keys`` to the node's bucket log (the index only); returns how many."""
         l3, buckets = self.l3[node], self.bucket_keys[node]
         writes = 0
         for key in keys:
@@ -221,9 +234,7 @@ class Tiered(System):
             l3[key] = b
             writes += 1
             self.cursor[node] = (self.cursor[node] + 1) % (self.bucket_pages * self.buckets)
-        span = self.c.page_span
-        return self.ssd[node].submit(self.loop.now, writes * span, max(1, writes * span // self.c.bucket_bytes),
-                                     write=True)  # fmt: skip
+        return writes
 
     def occupancy(self) -> tuple[int, int]:
         w, span = self.c.width, self.c.page_span

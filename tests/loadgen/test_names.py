@@ -39,7 +39,8 @@ def test_earlier_spellings_map_and_a_wrong_name_says_where_it_runs() -> None:
                        r"\(per-block runs in: restore\)"):  # fmt: skip
         names.resolve("e2e", ["per-block"], "--systems")
     with pytest.raises(
-        ConfigError, match="'nope' is not a system of simulate; choose from flatcake,flatcake-native,tiered,dram$"
+        ConfigError,
+        match="'nope' is not a system of simulate; choose from flatcake,flatcake-native,tiered,hicache-file,hicache-mooncake,dram$",
     ):
         names.resolve("simulate", ["nope"])
 

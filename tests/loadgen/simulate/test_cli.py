@@ -22,7 +22,9 @@ def test_simulate_writes_json_and_plots(tmp_path: Path) -> None:
     assert "tiered" in done.stdout and "prefetch s" in done.stdout
     report = json.loads((out / "simulate.json").read_text())
     assert [(r["system"], r["qps"]) for r in report["results"]] == [
-        (s, q) for q in (0.5, 2.0) for s in ("flatcake", "flatcake-native", "tiered", "dram")
+        (s, q)
+        for q in (0.5, 2.0)
+        for s in ("flatcake", "flatcake-native", "tiered", "hicache-file", "hicache-mooncake", "dram")
     ]
     assert all(0 < r["delivered_hit_rate"] <= r["ideal_hit_rate"] + 1e-9 for r in report["results"])
     assert (out / "simulate.png").stat().st_size > 0 and (out / "occupancy.png").stat().st_size > 0
