@@ -97,5 +97,16 @@ def test_the_copies_figures_are_the_committed_runs() -> None:
         readme.split()
     )
     assert f"where Table 2 has {_span(ratios('table2', 0.5))}." in " ".join(readme.split())
+    real = json.loads((RESULTS / "simulate-real-l3.json").read_text())["runs"]
+    shipped = {(r["users"], r["qps"]): r["ttft_mean_s"] for r in runs
+               if r["system"] == "flatcake" and r["placement"] == "copies" and r["storage_dram_share"] == 0.9}  # fmt: skip
+
+    def against(system: str, users: int) -> str:
+        return _span([shipped[(users, r["qps"])] / r["ttft_mean_s"] for r in real
+                      if r["system"] == system and r["users"] == users])  # fmt: skip
+
+    flat = " ".join(readme.split())
+    assert f"{against('hicache-file', 256)} and {against('hicache-mooncake', 256)} their mean TTFT at 256" in flat
+    assert f"only {against('hicache-file', 64)} and {against('hicache-mooncake', 64)} at 64 users" in flat
     e2e = _e2e("e2e-copies.json")
     assert f"({_mean(e2e, 'flatcake-copies', 4) / _mean(e2e, 'flatcake', 4):.2f}× Table 2 at 4 QPS" in readme
