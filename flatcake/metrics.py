@@ -34,6 +34,14 @@ _SPECS = [
     Spec("flatcake_recovered_pages", "gauge", (), "", "Pages recovered from the journal at start-up."),
     Spec("flatcake_recovery_dropped_pages", "gauge", (), "", "Journaled pages dropped at start-up: checksum mismatch."),
     Spec(
+        "flatcake_recheck_pages",
+        "counter",
+        ("outcome",),
+        "",
+        "Pages of the scopes readers reported damaged pages in, read again by the agent: dropped (checksum "
+        "mismatch: no longer served) or passed.",
+    ),
+    Spec(
         "flatcake_recovery_superseded_pages",
         "gauge",
         (),

@@ -8,7 +8,7 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -45,7 +45,8 @@ class LocalCatalog:
         self.placements = PlacementCounts()
         self.journal = journal
         self._allocs: dict[int, tuple[Reservation, list[int]]] = {}
-        self._leases: dict[int, tuple[set[int], CopyReservation | None]] = {}
+        # lease -> its scopes, its copies, each page's scope
+        self._leases: dict[int, tuple[set[int], CopyReservation | None, npt.NDArray[np.int64]]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         # Held from a publish's journal append until its pages are in the table, and by a compaction's
@@ -53,6 +54,8 @@ class LocalCatalog:
         self._commit = threading.Lock()
         # Recovered scopes the background scan has not checked yet (catalog/recovery.py ``Scan``).
         self.unverified: set[int] = set()
+        # Called with the scopes a reader found damaged pages in (the agent checks them on a thread of its own).
+        self.on_damaged: Callable[[set[int]], None] | None = None
         table.on_free = self._freed
         self.index = index
         if index is not None:  # the shared-memory table is the index itself: no second copy of entries
@@ -148,7 +151,7 @@ class LocalCatalog:
         # Not while the post-restart scan is due: a copy is made only of bytes checked against the home's crc.
         cres = self.table.reserve_copies(found, d) if copy and not verify else None
         with self._lock:
-            self._leases[lease_id] = (scopes, cres)
+            self._leases[lease_id] = (scopes, cres, found.scope)
         copies: list[int] = []
         if cres is not None:
             copies = [-1] * len(locs)
@@ -156,14 +159,21 @@ class LocalCatalog:
                 copies[i] = slot
         return Lease(lease_id, locs, found.crc.tolist(), verify, copies=copies)
 
-    def release(self, lease_id: int, copied: Sequence[int] | None = None) -> None:
+    def release(self, lease_id: int, copied: Sequence[int] | None = None, damaged: Sequence[int] | None = None) -> None:
         """End a lease. ``copied``: for each slot of ``Lease.copies`` that is not -1, in order, the crc32
-        of the copy the reader made there, or -1 where it made none; copies are served from now on."""
+        of the copy the reader made there, or -1 where it made none; copies are served from now on.
+        ``damaged``: indexes of pages the reader found not to match their checksum: their scopes become
+        unverified (every reader checks them) and go to ``on_damaged`` (the agent checks them again)."""
         with self._lock:
             entry = self._leases.pop(lease_id, None)
         if entry is None:
             raise UnknownHandleError(f"lease {lease_id}: unknown (released already or expired)")
-        scopes, cres = entry
+        scopes, cres, page_scopes = entry
+        if damaged:
+            suspects = {int(page_scopes[i]) for i in damaged if 0 <= i < len(page_scopes)}
+            self.unverified |= suspects
+            if self.on_damaged is not None and suspects:
+                self.on_damaged(suspects)
         try:
             if cres is not None:  # before the unpin: the scopes cannot be freed under it
                 self.table.publish_copies(cres, list(copied or []))

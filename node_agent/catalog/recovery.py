@@ -417,21 +417,13 @@ def scan(
     out.scan_pages = sum(len(pages) for _, pages in work)
 
     def check(item: tuple[int, list[tuple[bytes, Location, int]]]) -> tuple[int, int, list[tuple[bytes, Location]]]:
-        sid, pages = item
-        damaged: list[tuple[bytes, Location]] = []
-        for i, (key, loc, crc) in enumerate(pages):
-            if stop.is_set():
-                return sid, i, damaged
-            if read_page(loc) != crc:
-                damaged.append((key, loc))
-        return sid, len(pages), damaged
+        return (item[0], *check_pages(item[1], read_page, stop))
 
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="flatcake-scan") as pool:
         for sid, checked, damaged in pool.map(check, work):
-            for key, loc in damaged:
-                if catalog.drop_damaged(key, loc):  # no longer one of the pages recovery serves
-                    out.dropped_pages += 1
-                    out.pages -= 1
+            dropped = drop_pages(catalog, damaged)  # no longer pages recovery serves
+            out.dropped_pages += dropped
+            out.pages -= dropped
             if damaged:
                 log.warning("recovery scan: %d pages of scope %d no longer match their checksum; dropped",
                             len(damaged), sid)  # fmt: skip
@@ -443,6 +435,25 @@ def scan(
     out.scan_done = not stop.is_set()
     log.info("recovery scan: %d pages (%d bytes) checked in %.2fs, %d dropped", out.verified_pages,
              out.scan_bytes, out.scan_seconds, out.dropped_pages)  # fmt: skip
+
+
+def check_pages(
+    pages: list[tuple[bytes, Location, int]], read_page: Callable[[Location], int], stop: threading.Event
+) -> tuple[int, list[tuple[bytes, Location]]]:
+    """Read each of a scope's ``pages`` (``pages_of``) and compare it with its crc32: how many were checked
+    (fewer when ``stop`` was set) and the damaged ones."""
+    damaged: list[tuple[bytes, Location]] = []
+    for i, (key, loc, crc) in enumerate(pages):
+        if stop.is_set():
+            return i, damaged
+        if read_page(loc) != crc:
+            damaged.append((key, loc))
+    return len(pages), damaged
+
+
+def drop_pages(catalog: LocalCatalog, damaged: list[tuple[bytes, Location]]) -> int:
+    """Stop serving ``damaged`` pages (those still what ``pages_of`` named); how many were dropped."""
+    return sum(1 for key, loc in damaged if catalog.drop_damaged(key, loc))
 
 
 def page_crc_reader(

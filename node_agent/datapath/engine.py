@@ -321,13 +321,16 @@ class Engine:
             self.stats.add("restore_pages_dram", len(at.dram_src))
             self.stats.add("restore_pages_ssd", len(at.ssd))
 
-            restore: list[HostRestore] = []  # set below: what the copies are filled from
+            restore: list[HostRestore | Restore] = []  # set below: what the copies are filled from
 
             def release() -> None:
-                copied = self._fill_copies(lease, restore[0], pages) if lease.copies and restore else None
+                host = restore[0] if restore and isinstance(restore[0], HostRestore) else None
+                copied = self._fill_copies(lease, host, pages) if lease.copies and host is not None else None
                 hold.close()  # the pages are copied: a restarted agent may begin
+                # Pages whose bytes did not match: the agent checks them itself and stops serving the damaged.
+                damaged = sorted(restore[0].damaged) if restore and restore[0].damaged else None
                 try:
-                    self.catalog.release(lease.id, copied)
+                    self.catalog.release(lease.id, copied, damaged)
                 except (ConnectionError, UnknownHandleError):
                     if not lease.epoch:
                         raise
@@ -335,11 +338,9 @@ class Engine:
                     # ended with it, and the epoch held above kept the pages ours while they were copied.
 
             late = self._epoch_check(lease, at)
-            if on_gpu:
-                return self._get_device(dest, at, want, mode, release, late)
-            host = self._get_host(dest, at, want, mode, release, late)
-            restore.append(host)
-            return host
+            stream = (self._get_device if on_gpu else self._get_host)(dest, at, want, mode, release, late)
+            restore.append(stream)
+            return stream
         except FencedError:
             with hold, contextlib.suppress(FlatCakeError, ConnectionError, OSError):  # the old agent is gone
                 self.catalog.release(lease.id)

@@ -286,7 +286,8 @@ class HostRestore(LayerStream):
             self._stats.add("pages_missing", len(gone))
         bad = self._late() if self._late is not None else set()
         if self._check is not None and self._crc is not None:
-            bad |= self._checked()
+            self.damaged = self._checked() - self.missing
+            bad |= self.damaged
         bad -= self.missing
         if bad:
             self.missing.update(bad)

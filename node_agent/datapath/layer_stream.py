@@ -14,10 +14,12 @@ class LayerStream(Iterator[int]):
     ``_finish`` (which must be idempotent: ``close`` calls it too, for a generator that never started)."""
 
     missing: set[int]
+    damaged: set[int]  # of ``missing``: pages whose bytes did not match their published checksum
     staging_peak_bytes: int
 
     def start(self) -> None:
         self.missing = set()
+        self.damaged = set()
         self.staging_peak_bytes = 0
         self._finished = False
         self._gen = self._run()

@@ -270,6 +270,7 @@ class Restore(LayerStream):
             # A page that does not match what was published is never handed over as good: it is a miss the
             # caller recomputes, like a page that failed to read.
             bad = self._verify.failed(self.missing) if self._verify is not None else set()
+            self.damaged = set(bad)
             if self._late is not None:
                 bad |= self._late() - self.missing
             if bad:

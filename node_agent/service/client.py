@@ -215,8 +215,10 @@ class RemoteCatalog:
         return Lease(r["id"], locs, list(r.get("crc", [])), bool(r.get("verify", False)), int(r.get("epoch", 0)),
                      list(r.get("copies", [])))  # fmt: skip
 
-    def release(self, lease_id: int, copied: Sequence[int] | None = None) -> None:
-        extra = {"copied": list(copied)} if copied is not None else {}
+    def release(self, lease_id: int, copied: Sequence[int] | None = None, damaged: Sequence[int] | None = None) -> None:
+        extra: dict[str, list[int]] = {"copied": list(copied)} if copied is not None else {}
+        if damaged:
+            extra["damaged"] = [int(i) for i in damaged]
         self.conn.call("release", id=lease_id, stats=self._delta(), **extra)
 
     def _delta(self) -> dict[str, int]:

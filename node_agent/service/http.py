@@ -133,6 +133,9 @@ class AgentCollector(Collector):
         yield M.family("flatcake_recovery_checked_pages", [((), a.recovered.verified_pages)])
         pending = 0 if a.recovered.scan_done else max(0, a.recovered.scan_pages - a.recovered.verified_pages)
         yield M.family("flatcake_recovery_unchecked_pages", [((), pending)])
+        recheck = a.rechecker.stats()
+        yield M.family("flatcake_recheck_pages", [(("dropped",), recheck["dropped_pages"]),
+                                                  (("passed",), recheck["passed_pages"])])  # fmt: skip
         yield M.family("flatcake_agent_epoch", [((), a.epoch)])
         index = a.catalog.index.stats() if a.catalog.index is not None else None
         if index is not None:

@@ -43,6 +43,7 @@ from flatcake.node_agent.catalog.files import resolve_gid, share_path
 from flatcake.node_agent.catalog.journal import Journal
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.catalog.owner import PoolOwner, lock_paths
+from flatcake.node_agent.catalog.recheck import Rechecker
 from flatcake.node_agent.catalog.recovery import Recovered, close_fds, page_crc_reader, recover, scan
 from flatcake.node_agent.catalog.shared_index import SharedIndexWriter, seqlock_safe
 from flatcake.node_agent.catalog.state_dir import adopt_legacy
@@ -124,6 +125,11 @@ class Agent(PeerOps):
         self.metrics_port = c.agent.metrics_port
         self._stopping = threading.Event()  # set by close: ends the recovery scan and the journal compactor
         self._scanner: threading.Thread | None = None
+        self._recheck_fds: dict[int, int] = {}  # pool files the rechecker reads, closed by close()
+        pool_paths = [Path(c.ssd.dir) / name for name in self.pool.files]
+        self.rechecker = Rechecker(self.catalog, page_crc_reader(c, self.dram.view, pool_paths, self._recheck_fds),
+                                   self._stopping)  # fmt: skip
+        self.catalog.on_damaged = self.rechecker.suspect
         self._compactor: threading.Thread | None = None
         self.peers: PeerService | None = None  # serving other nodes (cluster.listen), made by serve
         self.peer_address = ""  # host:port the peer service listens on, once bound
@@ -295,7 +301,11 @@ class Agent(PeerOps):
             log.warning(
                 "release of lease %d: copied must be a list of integers (crc32 or -1); copies dropped", lease_id
             )
-        self.catalog.release(lease_id, copied)  # first: a bad stats map must not leave the pages pinned
+        damaged = args.get("damaged")
+        if damaged is not None and (not isinstance(damaged, list) or not all(type(x) is int for x in damaged)):
+            damaged = None  # the agent checks what a reader reports; a malformed report is ignored, not fatal
+            log.warning("release of lease %d: damaged must be a list of page indexes; ignored", lease_id)
+        self.catalog.release(lease_id, copied, damaged)  # first: a bad stats map must not leave the pages pinned
         self._merge_stats(args.get("stats", {}))
 
     def op_report(self, session: Session, args: dict[str, Any]) -> None:
@@ -347,7 +357,7 @@ class Agent(PeerOps):
             "journal_appends": self.journal.appended if self.journal else 0,
             "journal_compactions": self.journal.compactions if self.journal else 0,
             "journal_errors": self.journal_errors(), "dropped_connections": dict(self.dropped),
-            "service_seconds": self.service_seconds(),
+            "service_seconds": self.service_seconds(), "recheck": self.rechecker.stats(),
         }  # fmt: skip
 
     def journal_errors(self) -> dict[str, int]:
@@ -615,6 +625,8 @@ class Agent(PeerOps):
         self._stopping.set()
         if self._scanner is not None:
             self._scanner.join(30)
+        self.rechecker.join(30)
+        close_fds(self._recheck_fds)
         if self._compactor is not None and self.journal is not None:
             self.journal.due_event.set()
             self._compactor.join(30)

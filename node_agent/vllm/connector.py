@@ -111,9 +111,6 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._request_keys: dict[str, list[str]] = {}  # req_id -> keys of its hashed blocks so far
         self._matched: dict[str, tuple[int, bool]] = {}  # req_id -> first block FlatCake supplies, parked
         self._parked: list[Load] = []  # loads of parked requests, for the next step's metadata
-        # Requests that were parked for a load once: vLLM asks again after a failed one (it put the request back
-        # in the queue), and a second offer of the same pages would fail the same way, for ever: it computes.
-        self._parked_once: set[str] = set()
         # worker side
         self._layers: list[npt.NDArray[np.uint8]] = []  # each layer as [blocks][raw_bytes]
         self._target: PagedTarget | None = None  # vLLM's KV buffer as a restore destination (_in_place)
@@ -148,7 +145,7 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ---- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
-        if request.request_id in self._parked_once:
+        if not self.tracker.may_offer(request.request_id):
             return 0, False
         keys = self._keys(request)
         blocks = lookup_range(num_computed_tokens, request.num_prompt_tokens, self.block_size, len(keys))
@@ -183,7 +180,6 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         first, park = matched
         n = num_external_tokens // self.block_size
         if park:  # vLLM parks the request: its load goes with the next metadata, outside any step
-            self._parked_once.add(request.request_id)
             ids = list(blocks.get_block_ids()[0])
             self._parked.append(self.tracker.async_load(request.request_id, self._keys(request), ids, first, n))
         else:
@@ -229,12 +225,16 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         self.signals.record(save.keys, runs, open_turn=save.turn_open)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The worker's report of a step: which parked loads failed (their blocks among the invalid ones)."""
+        super().update_connector_output(connector_output)
+        self.tracker.load_results(connector_output.invalid_block_ids or (), connector_output.finished_recving or ())
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.tracker.finished(request.request_id)
         self._requests.pop(request.request_id, None)
         self._request_keys.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
-        self._parked_once.discard(request.request_id)
         return False, None  # vLLM may free the blocks: the worker's handle_preemptions copies out pending saves
 
     # ---- worker side -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ plan travels to the worker inside vLLM's connector metadata (pickled), as plain 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from flatcake.node_agent.policy.placement import Hints
@@ -74,6 +74,8 @@ class Tracker:
         self.block_size = block_size
         self._requests: dict[str, _Request] = {}
         self._loads: dict[str, tuple[int, int]] = {}  # req_id -> (first block, blocks) to load when scheduled
+        self._parked: dict[str, set[int]] = {}  # req_id -> the blocks its load outside the steps fills
+        self._failed: set[str] = set()  # requests a load failed for: never offered FlatCake's pages again
 
     def expect_load(self, req_id: str, first_block: int, blocks: int) -> None:
         """vLLM allocated blocks for ``blocks`` external blocks from ``first_block`` (update_state_after_alloc)."""
@@ -87,7 +89,27 @@ class Tracker:
         r = self._requests.setdefault(req_id, _Request(list(keys)))
         r.keys, r.block_ids = list(keys), list(block_ids)
         r.saved = max(r.saved, first + n)
+        self._parked[req_id] = set(r.block_ids[first : first + n])
         return Load(req_id, r.keys[first : first + n], r.block_ids[first : first + n], sync=False)
+
+    def may_offer(self, req_id: str) -> bool:
+        """Whether FlatCake's pages may be offered to ``req_id``: not after a load of them failed (vLLM asks
+        again when it recomputes from the first block, and the same pages would fail the same way, for ever).
+        A request whose load succeeded may be offered them again (preempted, it restarts from nothing)."""
+        return req_id not in self._failed
+
+    def load_results(self, invalid_blocks: Collection[int], finished: Collection[str]) -> None:
+        """The worker's report of one step (vLLM's ``update_connector_output``): the blocks that failed to
+        load and the parked requests whose load ended. Both come in the same report: a parked request whose
+        blocks are among the invalid ones failed."""
+        if invalid_blocks:
+            bad = set(invalid_blocks)
+            for req_id, blocks in list(self._parked.items()):
+                if blocks & bad:
+                    self._failed.add(req_id)
+                    del self._parked[req_id]
+        for req_id in finished:
+            self._parked.pop(req_id, None)
 
     def step(self, req_id: str, keys: Sequence[str], block_ids: Sequence[int] | None, *, replace_blocks: bool,
              computed_after: int, prompt_tokens: int) -> tuple[Load | None, Save | None]:  # fmt: skip
@@ -114,3 +136,5 @@ class Tracker:
     def finished(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
         self._loads.pop(req_id, None)
+        self._parked.pop(req_id, None)
+        self._failed.discard(req_id)

@@ -307,10 +307,38 @@ def test_a_page_corrupted_while_running_is_a_miss_and_counted(tmp_path: Path, wh
             assert e.stats.get("verify_failures") == 1
             for j in (0, 1, 3):
                 assert np.array_equal(dest[:, j], expected(keys[j]))
+            # The reader reported the page with its release: the agent read the scope again itself and
+            # stopped serving the damaged page; the others are still served.
+            wait_until(lambda: a.agent.rechecker.stats()["scopes"] >= 1, what="the agent to recheck the scope")
+            assert a.agent.rechecker.stats()["dropped_pages"] == 1
+            assert e.exists(keys) == 2 and e.exists([keys[3]]) == 1
+            with e.get([keys[3]], dest) as restore:
+                assert restore.run() == set()
+            assert np.array_equal(dest[:, 0], expected(keys[3]))
         _, text = http_get(a.port, "/metrics")
         assert "flatcake_verify_failures_total 1.0" in text
+        assert 'flatcake_recheck_pages_total{outcome="dropped"} 1.0' in text
     finally:
         a.stop()
+
+
+def test_a_reader_cannot_drop_a_page_by_calling_it_damaged(agent_thread: Start) -> None:
+    """The agent checks what a reader reports: a healthy page called damaged stays served (its scope is read
+    again and passes, and its readers stop being asked to verify it)."""
+    a = agent_thread()
+    keys = [f"fine-{i}" for i in range(3)]
+    with connect(a.socket) as e:
+        put(e, keys, SSD)
+        lease = e.catalog.acquire(keys)
+        e.catalog.release(lease.id, damaged=[0, 1, 2])
+        wait_until(lambda: a.agent.rechecker.stats()["scopes"] >= 1, what="the agent to recheck the scope")
+        stats = a.agent.rechecker.stats()
+        assert stats["dropped_pages"] == 0 and stats["passed_pages"] == 3
+        assert e.exists(keys) == 3 and not a.agent.catalog.unverified
+        # A malformed report is ignored, and the lease still ends.
+        lease = e.catalog.acquire(keys)
+        e.catalog.conn.call("release", id=lease.id, damaged="all of them")  # type: ignore[attr-defined]
+        assert a.agent.catalog.handles() == (0, 0) and a.agent.rechecker.stats()["scopes"] == 1
 
 
 # ---- item 9: a put larger than the whole pool ---------------------------------------------------
@@ -529,7 +557,10 @@ def test_a_corrupted_page_is_never_served_before_or_after_the_scan_finds_it(
             assert np.array_equal(dest[:, 0], want[:, 0]) and np.array_equal(dest[:, 2], want[:, 2])
             gate.set()
             wait_until(lambda: b.agent.recovered.scan_done, what="the scan to finish")
-            assert b.agent.recovered.dropped_pages == 1
+            # The reader reported the page too: whichever of the scan and the agent's recheck read it first
+            # dropped it, once.
+            wait_until(lambda: b.agent.rechecker.stats()["scopes"] >= 1, what="the recheck of the reported scope")
+            assert b.agent.recovered.dropped_pages + b.agent.rechecker.stats()["dropped_pages"] == 1
             assert e.exists(keys) == 1 and e.exists(["c2"]) == 1  # c1 is gone, c2 still served
             assert not b.agent.catalog.unverified  # scanned: leases no longer ask for checks
             dest2 = np.zeros((4, 2, 4096), np.uint8)

@@ -66,3 +66,19 @@ def test_a_tenant_keys_blocks_apart_and_is_checked() -> None:
     assert len({a[0], b[0], none[0]}) == 3 and a[0].endswith("@tp0of2@t:team-a")
     with pytest.raises(ConfigError, match="tenant: 7 must be"):
         tenant_suffix({"tenant": 7})
+
+
+def test_a_failed_parked_load_is_never_offered_again_a_finished_one_is() -> None:
+    """vLLM asks for external tokens again after a failed load (recomputing from the first block) and after
+    a preemption: the first would fail the same way for ever, the second should load again."""
+    t = Tracker(block_size=4)
+    keys = [f"k{i}" for i in range(6)]
+    t.async_load("bad", keys, [10, 11, 12, 13, 14, 15], first=0, n=4)
+    t.async_load("good", keys, [20, 21, 22, 23, 24, 25], first=1, n=3)
+    t.load_results(invalid_blocks={12, 13}, finished={"bad", "good"})
+    assert not t.may_offer("bad") and t.may_offer("good")
+    # later reports name blocks the failed request no longer owns: they do not fail the one that loaded
+    t.load_results(invalid_blocks={21}, finished=set())
+    assert t.may_offer("good")
+    t.finished("bad")  # a new request under the same id (vLLM reuses none, but state must not leak)
+    assert t.may_offer("bad")
