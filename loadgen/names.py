@@ -58,6 +58,10 @@ REGISTRY: tuple[SystemName, ...] = (
     SystemName("vllm-offload", "vLLM's own DRAM tier as --kv-offloading-size sets it up (OffloadingConnector, its CPU "
                "offloading manager) at FlatCake's DRAM budget, with a worker that runs on the CPU "
                "(loadgen/serve/vllm_offload.py); no disk tier", ("serve-vllm",)),
+    SystemName("vllm-offload-disk", "vLLM's own DRAM and disk tiers as its multi-tier setup configures them "
+               "(TieringOffloadingSpec: the CPU tier at FlatCake's DRAM budget as the primary, the fs tier on a folder "
+               "of the run's below it, which has no capacity setting), with the same CPU worker copying into the "
+               "primary tier's shared region", ("serve-vllm",)),
     SystemName("recompute", "nothing stored: every prompt is prefilled", ("e2e", "context")),
 )  # fmt: skip
 

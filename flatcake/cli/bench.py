@@ -205,7 +205,7 @@ def add(sub: Subparsers) -> None:
     sv.add_argument("--device-tokens", type=int, dest="device_tokens",
                     help="the engine's device KV pool in tokens (default 6144; vLLM: as blocks of 128)")  # fmt: skip
     sv.add_argument("--dram-bytes", type=int, dest="dram_bytes",
-                    help="FlatCake's DRAM pool, Mooncake's segment, vllm-offload's tier (default 64 MiB)")  # fmt: skip
+                    help="FlatCake's DRAM pool, Mooncake's segment, vLLM's own DRAM tier (default 64 MiB)")  # fmt: skip
     sv.add_argument("--placement", choices=PLACEMENT_MODES, help="FlatCake's placement.mode (default table2)")
     sv.add_argument("--calibrate", action="store_true",
                     help="instead: time cold prefills of the slice's model (and shapes with more KV per FLOP) "

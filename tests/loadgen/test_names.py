@@ -55,7 +55,7 @@ def test_names_are_unique_and_spelled_one_way() -> None:
 def test_bench_serve_takes_the_systems_of_its_engine() -> None:
     from flatcake.loadgen.bench import serve
 
-    assert names.names("serve-vllm") == ("flatcake", "vllm", "vllm-offload")
+    assert names.names("serve-vllm") == ("flatcake", "vllm", "vllm-offload", "vllm-offload-disk")
     assert serve.ServeConfig(engine="vllm", systems=names.names("serve-vllm")).engine == "vllm"
     with pytest.raises(ConfigError, match="'hicache-file' is not a system of serve-vllm"):
         serve.ServeConfig(engine="vllm", systems=("hicache-file",))

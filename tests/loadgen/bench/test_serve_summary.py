@@ -58,3 +58,17 @@ def test_flatcake_s_placement_is_a_bench_setting_checked_by_name() -> None:
     assert serve.ServeConfig(placement="copies").placement == "copies"
     with pytest.raises(ValueError, match="placement: 'tiered' must be one of table2, adaptive, copies"):
         serve.ServeConfig(placement="tiered")
+
+
+def test_vllms_own_tiers_report_blocks_by_tier_and_the_disk_they_used() -> None:
+    """``vllm-offload-disk``: blocks its DRAM and disk tiers served (medians over repeats) reach the table's
+    DRAM / SSD column, and the bytes its fs tier wrote are reported beside FlatCake's SSD pool."""
+    base = serve.summarize("vllm-offload-disk", 1.0, [_record(i) for i in range(4)], 10.0, True, 960, None)
+    rows = [{**base, "vllm_tier_pages": {"host": host, "disk": disk}, "disk_bytes": used,
+             "flatcake_ssd_pool_bytes": 768 << 20} for host, disk, used in ((10, 40, 100), (12, 50, 300), (20, 45, 200))]  # fmt: skip
+    (summary,) = serve.summary(rows)
+    assert summary["vllm_tier_pages"] == {"host": 12, "disk": 45}
+    assert summary["disk_bytes"] == 200 and summary["flatcake_ssd_pool_bytes"] == 768 << 20
+    assert "| 12 / 45 |" in serve.format_table({"systems": [summary]})
+    # FlatCake's pool in this bench: 32 files of 64 pages of every layer (vLLM: 6 layers x 64 KiB pages).
+    assert serve.ssd_pool_bytes({"layers": 6, "page_bytes": 64 << 10}) == 2048 * 6 * (64 << 10)
