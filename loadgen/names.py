@@ -37,6 +37,9 @@ REGISTRY: tuple[SystemName, ...] = (
                "FC-MAS queues, prefetches that wait instead of declining, late pages restored at dispatch and "
                "streamed layer by layer into the prefill (e2e: the emulator as the agent's client; simulate: the "
                "agent's catalog and scheduler)", ("e2e", "simulate")),
+    SystemName("flatcake-linker", "FlatCake as SGLang 0.5.23's unified-cache external linker (FlatCakeLinker, no "
+               "SGLang host tier): restores streamed layer by layer into the device slots under the forward, the "
+               "request id known (serve: inside a real SGLang server)", ("serve",)),
     SystemName("flatcake-engine", "FlatCake's engine in process, no agent (its layers stream as they land)",
                ("restore", "peers", "context")),
     SystemName("tiered", "SGLang HiCache's rules: a host LRU tier written through to an idealized SSD log (one "

@@ -56,6 +56,10 @@ SGLANG_BACKEND = {
 dynamic backend to load, its batch interface, and prefix keys passed (the placement signals; SGLang
 passes them only for a JSON true)."""
 
+SGLANG_LINKER = {"linker": "FlatCakeLinker", "linker_module_path": "flatcake.node_agent.sglang.linker"}
+"""SGLang's ``--unified-cache-external-linker-config`` for FlatCake's linker, less its ``linker_extra_config``
+(which names the agent's ``socket``)."""
+
 
 VLLM_CONNECTOR = {
     "kv_connector": "FlatCakeConnector",

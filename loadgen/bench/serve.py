@@ -47,7 +47,7 @@ from flatcake.loadgen.serve.server import SGLangServer, cpu_seconds, server_pyth
 from flatcake.loadgen.traces.formats import write_trace
 from flatcake.loadgen.traces.synth import SynthConfig, synthesize
 from flatcake.node_agent import geometry
-from flatcake.node_agent.constants import PLACEMENT_MODES, SGLANG_BACKEND
+from flatcake.node_agent.constants import PLACEMENT_MODES, SGLANG_BACKEND, SGLANG_LINKER
 
 if TYPE_CHECKING:
     from flatcake.node_agent import EngineConfig
@@ -162,7 +162,7 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
     if system == "hicache-file":
         yield Backend({"storage_backend": "file", "file_dir": where / "hicache"})
         return
-    if system == "flatcake":
+    if system in ("flatcake", "flatcake-linker"):
         from flatcake.node_agent import (
             AgentConfig,
             DramConfig,
@@ -185,8 +185,12 @@ def storage_for(system: str, cfg: ServeConfig, where: Path, geometry: dict[str, 
         )  # fmt: skip
         agent = spawn(config, node)
         try:
-            extra = {**SGLANG_BACKEND, "socket": config.agent.socket}
-            yield Backend({"storage_backend": "dynamic", "storage_config": extra}, config, (agent.pid,))
+            if system == "flatcake-linker":  # the same agent; the linker replaces SGLang's host tier
+                linker = {**SGLANG_LINKER, "linker_extra_config": {"socket": config.agent.socket}}
+                yield Backend({"storage_backend": None, "linker_config": linker}, config, (agent.pid,))
+            else:
+                extra = {**SGLANG_BACKEND, "socket": config.agent.socket}
+                yield Backend({"storage_backend": "dynamic", "storage_config": extra}, config, (agent.pid,))
         finally:
             agent.terminate()
             agent.wait(30)
@@ -273,13 +277,16 @@ def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Pat
             if rc not in (0, 1):  # 1: Locust saw failed requests, which the records show
                 raise RuntimeError(f"locust exited with {rc}")
             pages = {k: v - base[k] for k, v in restored_pages(agent).items()} if agent and base else None
-            with contextlib.suppress(Exception):  # the probe's pages were written long ago; wait anyway
-                server.wait_backed_up((len(probe) - 1) // geometry["page_tokens"] * geometry["page_tokens"], 30)
+            if server.linker_config is None:  # the linker's offloads finish in the flush (its reset drains them)
+                with contextlib.suppress(Exception):  # the probe's pages were written long ago; wait anyway
+                    server.wait_backed_up((len(probe) - 1) // geometry["page_tokens"] * geometry["page_tokens"], 30)
             server.flush_cache()
             warm = server.generate(input_ids=probe, logprob_start_len=tail)
     match = (warm.logprobs == cold.logprobs and warm.output_ids == cold.output_ids
              and warm.prompt_logprobs == cold.prompt_logprobs and len(cold.prompt_logprobs) > 0)  # fmt: skip
-    return {**summarize(system, qps, _records(where), replay_s, match, warm.cached_storage or 0, pages),
+    # SGLang reports a linker hit as host tokens (it lands in device slots; there is no host tier to mistake it for)
+    hit = warm.cached_host if backend.server_args.get("linker_config") else warm.cached_storage or 0
+    return {**summarize(system, qps, _records(where), replay_s, match, hit, pages),
             "cpu_s": cpu_s}  # fmt: skip
 
 

@@ -287,6 +287,12 @@ class SGLangServer(ServerProcess):
     host pool ``hicache_ratio`` times that (SGLang's defaults size both from this machine's RAM).
     ``prefetch_policy`` ``wait_complete`` makes an L3 hit whole however slow the restore (SGLang's
     default, ``timeout``, may cut it short).
+
+    ``linker_config`` runs the unified-cache external linker instead of HiCache (SGLang makes them exclusive):
+    ``--enable-unified-cache-external-linker --unified-cache-external-linker-backend dynamic`` with this
+    ``--unified-cache-external-linker-config`` (FlatCake's: ``linker`` ``FlatCakeLinker``,
+    ``linker_module_path`` ``flatcake.node_agent.sglang.linker``, ``linker_extra_config``); no host tier, so
+    ``storage_backend`` must be None. ``extra_paths`` go on the server's ``PYTHONPATH`` after this tree.
     """
 
     NAME = "SGLang"
@@ -306,6 +312,8 @@ class SGLangServer(ServerProcess):
         max_total_tokens: int = 32_768,
         hicache_ratio: float = 2.0,
         prefetch_policy: str = "wait_complete",
+        linker_config: Mapping[str, Any] | None = None,
+        extra_paths: Sequence[Path] = (),
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         python: Path | None = None,
@@ -325,6 +333,10 @@ class SGLangServer(ServerProcess):
         self.max_total_tokens = max_total_tokens
         self.hicache_ratio = hicache_ratio
         self.prefetch_policy = prefetch_policy
+        if linker_config is not None and storage_backend is not None:
+            raise ValueError("linker_config: SGLang runs the linker without HiCache; pass storage_backend=None")
+        self.linker_config = dict(linker_config) if linker_config is not None else None
+        self.extra_paths = [Path(p) for p in extra_paths]
 
     # --- process ------------------------------------------------------------------------------------
 
@@ -334,9 +346,13 @@ class SGLangServer(ServerProcess):
             "--model-path", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
             "--device", "cpu", "--attention-backend", "torch_native", "--page-size", str(self.page_size),
             "--max-total-tokens", str(self.max_total_tokens), "--enable-metrics", "--sleep-on-idle",
-            "--enable-hierarchical-cache", "--hicache-ratio", str(self.hicache_ratio),
-            "--hicache-io-backend", "direct", "--hicache-mem-layout", self.mem_layout,
         ]  # fmt: skip
+        if self.linker_config is not None:
+            return [*args, "--enable-unified-cache-external-linker", "--unified-cache-external-linker-backend",
+                    "dynamic", "--unified-cache-external-linker-config", json.dumps(self.linker_config),
+                    *self.extra_args]  # fmt: skip
+        args += ["--enable-hierarchical-cache", "--hicache-ratio", str(self.hicache_ratio),
+                 "--hicache-io-backend", "direct", "--hicache-mem-layout", self.mem_layout]  # fmt: skip
         if self.storage_backend:
             args += ["--hicache-storage-backend", self.storage_backend,
                      "--hicache-storage-prefetch-policy", self.prefetch_policy]  # fmt: skip
@@ -346,7 +362,7 @@ class SGLangServer(ServerProcess):
 
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        paths = [str(COMPAT_DIR), str(flatcake_import_root(self.workdir / "pythonpath"))]
+        paths = [str(COMPAT_DIR), str(flatcake_import_root(self.workdir / "pythonpath")), *map(str, self.extra_paths)]
         env.update(
             PYTHONPATH=os.pathsep.join(paths),
             PYTHONSAFEPATH="1",  # the working directory is not on sys.path

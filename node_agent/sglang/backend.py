@@ -55,7 +55,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from flatcake.errors import FlatCakeError
 from flatcake.node_agent.datapath.buffers import aligned_empty, round_up
 from flatcake.node_agent.datapath.engine import Engine
 from flatcake.node_agent.datapath.target import PagedTarget
@@ -63,11 +62,10 @@ from flatcake.node_agent.policy.placement import Hints
 from flatcake.node_agent.policy.signals import ChainSignals, Run
 from flatcake.node_agent.service.client import connect
 from flatcake.node_agent.service.cluster import Cluster
-from flatcake.node_agent.service.hints import deployment_hints, run_hints, tenant_suffix
+from flatcake.node_agent.service.hints import deployment_hints, run_hints
+from flatcake.node_agent.sglang.keys import DEFAULT_SOCKET, STORAGE_FAULTS, key_suffix
 
 log = logging.getLogger(__name__)
-
-DEFAULT_SOCKET = "/run/flatcake/agent.sock"
 
 # Which axis of a host pool's (non-flat) data page is the layer axis, by attention kind and layout,
 # as SGLang 0.5.23 lays its host pools out (pool_host/mha.py, pool_host/mla.py, get_data_page).
@@ -80,10 +78,6 @@ LAYER_AXIS: dict[tuple[bool, str], int] = {
     (True, "page_first"): 1,  # (page, L, 1, dim)
     (True, "page_first_direct"): 1,  # (1, L, page, 1, dim)
 }
-# What a storage call may meet in normal operation, answered as a miss (or a failed set) so that SGLang
-# recomputes: a full pool, a page reclaimed meanwhile, a failed write, an agent that went away. Anything
-# else (a wrong shape, a bad argument) is a bug and propagates rather than hiding as a miss.
-STORAGE_FAULTS = (FlatCakeError, ConnectionError, TimeoutError)
 KV = PoolName.KV.value
 
 
@@ -94,12 +88,9 @@ class FlatCakeStorage(HiCacheStorage):  # type: ignore[misc]
         self.socket = str(extra.get("socket", DEFAULT_SOCKET))
         self.is_mla = bool(storage_config.is_mla_model)
         c = storage_config
-        suffix = "" if self.is_mla else f"@tp{c.tp_rank}of{c.tp_size}"
-        if c.pp_size > 1:
-            suffix += f"@pp{c.pp_rank}of{c.pp_size}"
-        if c.attn_cp_size > 1:
-            suffix += f"@cp{c.attn_cp_rank}of{c.attn_cp_size}"
-        suffix += tenant_suffix(extra)  # every key builder appends the suffix: one place for the tenant
+        # Every key builder appends the suffix (ranks, tenant): the linker derives the same one (keys.py).
+        suffix = key_suffix(mla=self.is_mla, tp_rank=c.tp_rank, tp_size=c.tp_size, pp_rank=c.pp_rank,
+                            pp_size=c.pp_size, cp_rank=c.attn_cp_rank, cp_size=c.attn_cp_size, extra=extra)  # fmt: skip
         self.suffix = suffix
         # Mamba state is sharded across TP ranks even when the model's MLA cache is replicated
         # (hicache_storage.py HiCacheFile._get_suffixed_key), so it always carries the rank.

@@ -15,7 +15,7 @@ vLLM builds one instance per role (vLLM 0.32, ``distributed/kv_transfer/kv_conne
 - **worker**: ``register_kv_caches`` takes the per-layer KV tensors, each ``[blocks][...]`` with one block
   contiguous (on the CPU ``[blocks, kv_heads, block_size, 2 x head_size]``, a layout the attention kernel
   packs: a block is moved whole, as opaque bytes); ``start_load_kv`` starts the step's loads on threads
-  (``transfers.py``), ``wait_for_layer_load`` waits for one layer's bytes only; ``wait_for_save`` queues the
+  (``service/transfers.py``), ``wait_for_layer_load`` waits for one layer's bytes only; ``wait_for_save`` queues the
   store of the blocks the step completed, as references: a thread copies them out of vLLM's buffer and
   stores them after the step. vLLM frees a finished or preempted request's blocks without asking (saves
   hold none), and the next forward may write them: ``handle_preemptions``, which vLLM calls before every
@@ -59,8 +59,8 @@ from flatcake.node_agent.policy.gva import needs_ssd
 from flatcake.node_agent.policy.signals import ChainSignals
 from flatcake.node_agent.service.client import RemoteCatalog, connect
 from flatcake.node_agent.service.hints import deployment_hints, run_hints, tenant_suffix
+from flatcake.node_agent.service.transfers import STORAGE_FAULTS, AsyncLoads, LayerLoads, SaveJob, SaveQueue
 from flatcake.node_agent.vllm.plan import Load, Save, Tracker, block_keys, lookup_range, rank_suffix
-from flatcake.node_agent.vllm.transfers import STORAGE_FAULTS, AsyncLoads, LayerLoads, SaveJob, SaveQueue
 
 # Under vLLM's logger tree: vLLM configures only its own loggers, so this one prints where vLLM's do.
 log = logging.getLogger("vllm.flatcake.connector")
@@ -118,7 +118,7 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_errors: set[int] = set()
         self._layer_index: dict[str, int] = {}
         self._step_loads: tuple[LayerLoads, list[Load]] | None = None  # this step's layer-wise loads
-        self._async = AsyncLoads()
+        self._async = AsyncLoads(logger=log, name="flatcake-vllm-loads")
         self._async_blocks: dict[str, list[int]] = {}  # parked request -> the blocks its load fills
         self._saves: SaveQueue | None = None
         self.stall = {"load": 0.0, "save": 0.0}  # seconds steps waited on the connector, not yet reported
@@ -280,7 +280,14 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if sync:
             keys = [k for load in sync for k in load.keys]
             dest, copy = self._dest([b for load in sync for b in load.block_ids])
-            loads = LayerLoads(lambda: engine.get(keys, dest), len(self._layers), len(keys), copy)
+            loads = LayerLoads(
+                lambda: engine.get(keys, dest),
+                len(self._layers),
+                len(keys),
+                copy,
+                logger=log,
+                name="flatcake-vllm-layers",
+            )
             self._step_loads = (loads, sync)
             engine.stats.add("connector_pages_layerwise", len(keys))
 
@@ -363,7 +370,9 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not save.runs:
             return
         if self._saves is None:
-            self._saves = SaveQueue(self._store, self.save_queue_bytes, self.save_retry_s)
+            self._saves = SaveQueue(
+                self._store, self.save_queue_bytes, self.save_retry_s, logger=log, name="flatcake-vllm-saves"
+            )
         nbytes = len(save.block_ids) * len(self._layers) * self.page_bytes
         job = SaveJob(save.req_id, nbytes, functools.partial(self._gather, save), pages=len(save.block_ids))
         self.stall["save"] += self._saves.submit(job)

@@ -1,4 +1,5 @@
-"""The vLLM connector's transfers off the step (node_agent/vllm/transfers.py), without a server: a layer's
+"""The connectors' transfers off the step (node_agent/service/transfers.py: the vLLM connector's and the SGLang
+linker's), without a server: a layer's
 wait returns only once that layer's bytes landed and the forward can start before the last layer has;
 parked loads report when they end; saves run after the step (their blocks copied out there, or by the step
 that releases them), wait for room past their bound, and are retried while the agent is away."""
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from flatcake.node_agent.vllm.transfers import AsyncLoads, LayerLoads, SaveJob, SaveQueue
+from flatcake.node_agent.service.transfers import AsyncLoads, LayerLoads, SaveJob, SaveQueue
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.unit
@@ -207,3 +208,22 @@ def test_release_waits_for_a_copy_the_thread_has_begun() -> None:
     step.join(30)
     assert q.drain(30) and order.index("copied") < order.index("released") and q.gathered_on_release == 0
     q.stop()
+
+
+def test_the_end_hook_sees_the_final_misses_before_waits_past_the_last_yielded_layer_return() -> None:
+    """The SGLang linker releases its forward's last layer in ``on_end``: it must run once ``missing`` is
+    final, and before anyone waiting on a layer the restore did not yield is let go."""
+    dest = np.zeros((LAYERS, 8), np.uint8)
+    gates = [threading.Event() for _ in range(LAYERS)]
+    ended: list[tuple[set[int], BaseException | None, bool]] = []
+    loads: list[LayerLoads] = []
+
+    def on_end(missing: set[int], failed: BaseException | None) -> None:
+        released = loads[0]._landed >= LAYERS  # waits past the yielded layers not yet let go
+        ended.append((set(missing), failed, released))
+
+    loads.append(LayerLoads(lambda: GatedRestore(dest, gates, missing={3}), LAYERS, 8, on_end=on_end))
+    for gate in gates:
+        gate.set()
+    assert loads[0].join() == {3}
+    assert ended == [({3}, None, False)]

@@ -1,5 +1,8 @@
-"""The vLLM connector's transfers off the step: loads streamed layer by layer under the forward, loads a
-request waits for outside the step, and saves stored after it. No vLLM import (tested without a server).
+"""A connector's transfers off the engine's step: loads streamed layer by layer under the forward, loads a
+request waits for outside the step, and saves stored after it. No engine import (tested without a server);
+shared by the vLLM connector (``vllm/connector.py``) and the SGLang linker (``sglang/linker.py``), which
+pass their own logger (an engine prints only its own logger tree) and thread names. The terms below are
+vLLM's; the SGLang linker's are in its module doc.
 
 - ``LayerLoads``: one step's loads, restored on a thread while the forward runs; ``wait(layer)`` (vLLM's
   ``wait_for_layer_load``, called by each attention layer) returns once that layer's bytes of every load
@@ -29,7 +32,7 @@ from typing import Any, Protocol
 
 from flatcake.errors import FlatCakeError
 
-log = logging.getLogger("vllm.flatcake.connector")
+log = logging.getLogger(__name__)  # the default; each connector passes a logger under its engine's tree
 
 # What a storage call may meet in normal operation: a miss (vLLM computes), never an engine crash.
 STORAGE_FAULTS = (FlatCakeError, ConnectionError, TimeoutError, OSError)
@@ -48,18 +51,22 @@ class Restore(Protocol):
 class LayerLoads:
     """One step's synchronous loads as one restore, run on a thread from ``start_load_kv`` on. ``open``
     starts the restore; ``on_layer(layer)``, if given, runs as each layer lands (the copying path moves
-    it into vLLM's blocks there). ``pages`` is how many pages the restore holds."""
+    it into vLLM's blocks there); ``on_end(missing, failed)``, if given, runs on the thread once the restore
+    ended, before ``wait`` returns for the layers it never yielded (the SGLang linker releases its forward's
+    last layer there, once ``missing`` is final). ``pages`` is how many pages the restore holds."""
 
     def __init__(self, open_restore: Callable[[], Restore], layers: int, pages: int,
-                 on_layer: Callable[[int], None] | None = None) -> None:  # fmt: skip
+                 on_layer: Callable[[int], None] | None = None,
+                 on_end: Callable[[set[int], BaseException | None], None] | None = None, *,
+                 logger: logging.Logger = log, name: str = "flatcake-layers") -> None:  # fmt: skip
         self.layers, self.pages = layers, pages
-        self._open, self._on_layer = open_restore, on_layer
+        self._open, self._on_layer, self._on_end, self._log = open_restore, on_layer, on_end, logger
         self._landed = -1  # the last layer whose bytes are in place (layers land in order)
         self._cond = threading.Condition()
         self.missing: set[int] = set()
         self.failed: BaseException | None = None
         self.landed_at: list[float] = []  # monotonic time each layer landed (tests, the stall report)
-        self._thread = threading.Thread(target=self._run, name="flatcake-vllm-layers", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -77,8 +84,13 @@ class LayerLoads:
             self.failed = exc
             self.missing = set(range(self.pages))
             if not isinstance(exc, STORAGE_FAULTS):
-                log.exception("FlatCake connector: a layer-wise load failed unexpectedly")
+                self._log.exception("FlatCake connector: a layer-wise load failed unexpectedly")
         finally:
+            if self._on_end is not None:
+                try:
+                    self._on_end(self.missing, self.failed)
+                except Exception:  # the waiters below are released whatever the hook did
+                    self._log.exception("FlatCake connector: ending a layer-wise load failed")
             with self._cond:
                 self._landed = self.layers
                 self._cond.notify_all()
@@ -99,8 +111,8 @@ class _InOrder:
     """Jobs run in order on one daemon thread, started with the first job. A job stays queued while it runs
     (``drain`` waits for it); ``_do`` runs one, ``_done`` records its result, under ``_cond``."""
 
-    def __init__(self, name: str) -> None:
-        self._name = name
+    def __init__(self, name: str, logger: logging.Logger = log) -> None:
+        self._name, self._log = name, logger
         self._cond = threading.Condition()
         self._jobs: deque[Any] = deque()
         self._stopping = False
@@ -160,8 +172,8 @@ class AsyncLoads(_InOrder):
     """Loads of parked requests, run in order on one thread; ``done()`` gives the requests that finished
     since the last call, each with the page indexes it lacks."""
 
-    def __init__(self) -> None:
-        super().__init__("flatcake-vllm-loads")
+    def __init__(self, *, logger: logging.Logger = log, name: str = "flatcake-loads") -> None:
+        super().__init__(name, logger)
         self._finished: list[tuple[str, set[int]]] = []
 
     def submit(self, req_id: str, pages: int, load: Callable[[], set[int]]) -> None:
@@ -175,9 +187,9 @@ class AsyncLoads(_InOrder):
             return load()
         except Exception as exc:  # a failed load is a miss: vLLM recomputes
             if not isinstance(exc, STORAGE_FAULTS):
-                log.exception("FlatCake connector: an asynchronous load failed unexpectedly")
+                self._log.exception("FlatCake connector: an asynchronous load failed unexpectedly")
             else:
-                log.warning("FlatCake connector: load of %d blocks for %s failed: %s", pages, req_id, exc)
+                self._log.warning("FlatCake connector: load of %d blocks for %s failed: %s", pages, req_id, exc)
             return set(range(pages))
 
     def _done(self, job: tuple[str, int, Callable[[], set[int]]], result: set[int]) -> None:
@@ -207,8 +219,9 @@ class SaveQueue(_InOrder):
     """Saves stored off the step, in order, on one thread (module doc). ``store(data)`` stores a job's copy:
     it raises what the agent raised; a ``ConnectionError`` is retried for ``retry_s``."""
 
-    def __init__(self, store: Callable[[Any], None], max_bytes: int, retry_s: float = 30.0) -> None:
-        super().__init__("flatcake-vllm-saves")
+    def __init__(self, store: Callable[[Any], None], max_bytes: int, retry_s: float = 30.0, *,
+                 logger: logging.Logger = log, name: str = "flatcake-saves") -> None:  # fmt: skip
+        super().__init__(name, logger)
         self._store, self.max_bytes, self.retry_s = store, max_bytes, retry_s
         self.pending_bytes = 0
         self.stored = self.dropped = 0  # jobs
@@ -245,12 +258,11 @@ class SaveQueue(_InOrder):
                     pages += job.pages
         return time.monotonic() - started, pages
 
-    @staticmethod
-    def _gather(job: SaveJob) -> None:
+    def _gather(self, job: SaveJob) -> None:
         try:
             job.data = job.gather()
         except Exception:  # a save that cannot be copied is a miss later, never a crash of the step
-            log.exception("FlatCake connector: copying a save's blocks failed")
+            self._log.exception("FlatCake connector: copying a save's blocks failed")
             job.failed = True
 
     def _done(self, job: SaveJob, ok: bool) -> None:
@@ -281,13 +293,13 @@ class SaveQueue(_InOrder):
                 return True
             except ConnectionError as exc:  # the agent went away: a restarted one takes the save
                 if time.monotonic() + pause > deadline or self._stopping:
-                    log.warning("FlatCake connector: a save was dropped, the agent did not come back: %s", exc)
+                    self._log.warning("FlatCake connector: a save was dropped, the agent did not come back: %s", exc)
                     return False
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)
             except Exception as exc:  # a save that fails is a miss later, never a crash
                 if not isinstance(exc, STORAGE_FAULTS):
-                    log.exception("FlatCake connector: a save failed unexpectedly")
+                    self._log.exception("FlatCake connector: a save failed unexpectedly")
                 else:
-                    log.warning("FlatCake connector: a save failed: %s", exc)
+                    self._log.warning("FlatCake connector: a save failed: %s", exc)
                 return False
