@@ -72,3 +72,13 @@ def test_vllms_own_tiers_report_blocks_by_tier_and_the_disk_they_used() -> None:
     assert "| 12 / 45 |" in serve.format_table({"systems": [summary]})
     # FlatCake's pool in this bench: 32 files of 64 pages of every layer (vLLM: 6 layers x 64 KiB pages).
     assert serve.ssd_pool_bytes({"layers": 6, "page_bytes": 64 << 10}) == 2048 * 6 * (64 << 10)
+
+
+def test_a_linker_s_hits_count_as_storage() -> None:
+    """With the unified-cache linker SGLang has no host tier and reports what the linker loaded as host
+    tokens: FlatCake's share of the prompt is that."""
+    records = [{**_record(i), "hit_tokens": {"device": 500, "host": 300, "storage": 0}} for i in range(4)]
+    row = serve.summarize("flatcake-linker", 1.0, records, 10.0, True, 960, None)
+    assert row["cached_tokens_by_tier"] == {"device": 2000, "host": 0, "storage": 1200}
+    assert row["storage_hit_share"] == pytest.approx(0.3)
+    assert serve.summarize("flatcake", 1.0, records, 10.0, True, 960, None)["storage_hit_share"] == 0.0
