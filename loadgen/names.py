@@ -66,6 +66,16 @@ REGISTRY: tuple[SystemName, ...] = (
                "of the run's below it, which has no capacity setting), with the same CPU worker copying into the "
                "primary tier's shared region", ("serve-vllm",)),
     SystemName("recompute", "nothing stored: every prompt is prefilled", ("e2e", "context")),
+    SystemName("emu-flatcake", "the emulator (flatcake emulate --mode flatcake) configured as serve's flatcake "
+               "deployment: SGLang's rules over FlatCake's agent, the slice's geometry, pools and this CPU's "
+               "calibrated prefill rate, storage real; its prediction for the real flatcake row (serve only, "
+               "opt-in)", ("serve",)),
+    SystemName("emu-hicache-file", "the emulator (--mode tiered --l3 hicache-file) configured as serve's "
+               "hicache-file deployment; its prediction for the real hicache-file row (serve only, opt-in)",
+               ("serve",)),
+    SystemName("emu-flatcake-native", "the emulator's flatcake-native what-if (FC-MAS, restores at dispatch) on "
+               "serve's slice, pools and calibrated CPU prefill rate: what no engine ships, beside the real rows "
+               "(serve only, opt-in)", ("serve",)),
 )  # fmt: skip
 
 ALIASES = {

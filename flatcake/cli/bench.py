@@ -132,7 +132,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     given = {name: getattr(args, name) for name in fields if getattr(args, name)}
     bench = serve.ENGINES[args.engine]
     given["engine"] = args.engine
-    given["systems"] = names.resolve(bench, args.systems, "--systems") if args.systems else names.names(bench)
+    default = serve.default_systems(args.engine)  # the emulated systems are opt-in
+    given["systems"] = names.resolve(bench, args.systems, "--systems") if args.systems else default
     try:
         cfg = dataclasses.replace(cfg, **given)
     except ValueError as exc:
@@ -194,7 +195,8 @@ def add(sub: Subparsers) -> None:
     sv.add_argument(
         "--systems",
         type=_csv(str, "--systems"),
-        help=f"default, choices: {names.choices('serve')}; vllm: {names.choices('serve-vllm')}",
+        help=f"default: every real system; choices: {names.choices('serve')} (emu-*: the emulator mirroring the "
+        "slice, opt-in); vllm: " + names.choices("serve-vllm"),
     )
     sv.add_argument("--qps", type=_csv(float, "--qps"), help="arrival rates, comma-separated (default 0.25,0.5)")
     sv.add_argument("--requests", type=int, help="requests of the synthesized agentic trace (default 40)")

@@ -15,13 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from flatcake.loadgen import names
+from flatcake.loadgen.bench import emulated
 from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.emulator.core import page_keys, scheduler_policy
-from flatcake.loadgen.emulator.storage import engine_config
 from flatcake.loadgen.models import preset
 from flatcake.loadgen.replay.requests import prompt_tokens
 from flatcake.loadgen.replay.run import LoadgenConfig
@@ -41,17 +36,14 @@ from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.loadgen.traces import slices
 from flatcake.loadgen.traces import stats as trace_stats
 from flatcake.loadgen.traces.formats import BUNDLED_TRACE, TraceRequest, read_trace
-from flatcake.net import free_port
-from flatcake.node_agent import AgentConfig, spawn
 from flatcake.node_agent.constants import PLACEMENT_MODES
 
 BUNDLED = BUNDLED_TRACE
-FLATCAKE = str(Path(sys.executable).parent / "flatcake")
 SYSTEMS = names.names("e2e")
 # system -> (emulator mode, L3), where not (system, log); hicache-file: tiered with SGLang's HiCacheFile as L3
 EMULATE = {"hicache-file": ("tiered", "hicache-file"), "hicache-mooncake": ("tiered", "hicache-mooncake"),
            "recompute": ("none", "log")}  # fmt: skip
-FLATCAKES = ("flatcake", "flatcake-native")  # the systems with a node agent underneath
+FLATCAKES = emulated.FLATCAKES  # the systems with a node agent underneath
 
 
 @dataclass(frozen=True)
@@ -156,41 +148,6 @@ def run_meta(trace: str, requests: int | None, page_tokens: int, qps: tuple[floa
     }  # fmt: skip
 
 
-def _wait(check: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path,
-          timeout: float = 60) -> None:  # fmt: skip
-    deadline = time.monotonic() + timeout
-    while not check():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}; see {log}:\n{_tail(log)}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not come up in {timeout:.0f}s; see {log}")
-        time.sleep(0.1)
-
-
-def _tail(log: Path, lines: int = 5) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
-
-
-def _stop(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 @dataclass(frozen=True)
 class Point:
     system: str
@@ -256,64 +213,16 @@ def run_point(cfg: E2EConfig, emu_base: EmulatorConfig, trace: Path, point: Poin
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
     emu = dataclasses.replace(point_config(emu_base, point), data_dir=str(data))
-    agent = emulator = None
-    logs = []
     try:
-        if point.system in FLATCAKES and cfg.use_agent:
-            sock = str(data / "agent.sock")
-            agent_cfg = AgentConfig(socket=sock, metrics_host="127.0.0.1", metrics_port=0)
-            engine = dataclasses.replace(engine_config(emu, data / "flatcake"), agent=agent_cfg)
-            logs.append(open(run_dir / "agent.log", "wb"))  # noqa: SIM115 - closed below
-            agent = spawn(engine, data, logs[-1])
-            emu = dataclasses.replace(emu, agent_socket=sock)
-        port = free_port()
-        args = [FLATCAKE, "emulate", "--mode", emu.mode, "--port", str(port), "--data-dir", str(data),
-                "--model", str(emu.model), "--gpu", emu.gpu, "--prefetch-policy", emu.prefetch_policy,
-                "--l3", emu.l3]  # fmt: skip
-        if not emu.drop_page_cache:
-            args.append("--keep-page-cache")
-        for name in ("hbm_bytes", "dram_bytes", "ssd_bytes", "scope_file_bytes"):
-            args += [f"--{name.replace('_', '-')}", str(getattr(emu, name))]
-        if emu.scheduler:
-            args += ["--scheduler", emu.scheduler]
-        if emu.mode in FLATCAKES:
-            args += ["--placement", emu.placement]
-        if emu.mode == "flatcake":
-            args += ["--storage-dram-share", str(emu.storage_dram_share)]
-        if emu.agent_socket:
-            args += ["--agent-socket", emu.agent_socket]
-        logs.append(open(run_dir / "emulator.log", "wb"))  # noqa: SIM115 - closed below
-        emulator = subprocess.Popen(args, stdout=logs[-1], stderr=subprocess.STDOUT, cwd=data)
-        url = f"http://127.0.0.1:{port}"
-        _wait(lambda: _http_ok(url + "/healthz"), emulator, "the emulator", run_dir / "emulator.log")
-        rc = run_locust(LoadgenConfig(host=url, trace=str(trace), qps=point.qps, system=point.label,
-                                      results=str(run_dir / "results.jsonl"), csv_prefix=str(run_dir / "locust"),
-                                      max_output=cfg.max_output))  # fmt: skip
-        if rc not in (0, 1):  # 1: Locust saw failed requests, which the records show
-            raise RuntimeError(f"locust exited with {rc}")
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            (run_dir / "emulator.prom").write_bytes(r.read())
-        if agent is not None:  # the agent's own counters: placement, reclaim, restores by medium
-            save_agent_metrics(run_dir / "agent.log", run_dir / "agent.prom")
+        with emulated.running(emu, data, run_dir, cfg.use_agent) as emulator:
+            rc = run_locust(LoadgenConfig(host=emulator.url, trace=str(trace), qps=point.qps, system=point.label,
+                                          results=str(run_dir / "results.jsonl"), csv_prefix=str(run_dir / "locust"),
+                                          max_output=cfg.max_output))  # fmt: skip
+            if rc not in (0, 1):  # 1: Locust saw failed requests, which the records show
+                raise RuntimeError(f"locust exited with {rc}")
+            emulator.save_metrics(run_dir)
     finally:
-        _stop(emulator)
-        _stop(agent)
-        for f in logs:
-            f.close()
         shutil.rmtree(data, ignore_errors=True)
-
-
-def save_agent_metrics(agent_log: Path, out: Path) -> bool:
-    """The node agent's /metrics (its port is the one its log names: it binds port 0) into ``out``."""
-    found = re.search(r"metrics on port (\d+)", agent_log.read_text(errors="replace"))
-    if found is None:
-        return False
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{found.group(1)}/metrics", timeout=10) as r:
-            out.write_bytes(r.read())
-    except OSError:
-        return False
-    return True
 
 
 def run(cfg: E2EConfig, out: str | Path, log: Callable[[str], None] = print) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flatcake.errors import ConfigError
 from flatcake.loadgen import names
 from flatcake.loadgen.replay.run import LoadgenConfig
 from flatcake.loadgen.replay.run import run as run_locust
@@ -52,7 +53,10 @@ from flatcake.node_agent.constants import PLACEMENT_MODES, SGLANG_BACKEND, SGLAN
 if TYPE_CHECKING:
     from flatcake.node_agent import EngineConfig
 
-SYSTEMS = names.names("serve")
+# Opt-in: the emulator configured as the real deployment (serve_emulated.py), never in the default run.
+EMULATED = ("emu-flatcake", "emu-hicache-file", "emu-flatcake-native")
+SYSTEMS = tuple(s for s in names.names("serve") if s not in EMULATED)
+CALIBRATION = Path(__file__).resolve().parents[2] / "docs" / "results" / "serve-calibration.json"
 ENGINES = {"sglang": "serve", "vllm": "serve-vllm"}  # engine -> the registry's bench of its systems
 VLLM_DEVICE_HITS = "vllm:prefix_cache_hits_total"
 VLLM_STORAGE_HITS = "vllm:external_prefix_cache_hits_total"
@@ -90,10 +94,14 @@ class ServeConfig:
     prefetch_policy: str = "timeout"  # SGLang's default: an L3 hit not ready in time is recomputed
     placement: str = "table2"  # FlatCake's placement.mode (table2, adaptive, copies)
     probe_tokens: int = 1024
+    calibration: str = str(CALIBRATION)  # the emulated systems' prefill rate (bench serve --calibrate)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine: {self.engine!r} must be one of {', '.join(ENGINES)}")
+        if self.engine != "sglang" and (emulated := [s for s in self.systems if s in EMULATED]):
+            raise ConfigError(f"engine: {self.engine!r} cannot run {', '.join(emulated)}: the emulated systems "
+                              "mirror SGLang's server; give engine sglang")  # fmt: skip
         names.resolve(ENGINES[self.engine], self.systems)
         if not self.qps or any(q <= 0 for q in self.qps):
             raise ValueError(f"qps: {self.qps} must be rates > 0")
@@ -396,16 +404,26 @@ def summarize(system: str, qps: float, records: list[dict[str, Any]], replay_s: 
     return row
 
 
+def default_systems(engine: str) -> tuple[str, ...]:
+    """``--systems`` when not given: every real system of the engine (the emulated ones are opt-in)."""
+    return tuple(s for s in names.names(ENGINES[engine]) if s not in EMULATED)
+
+
 def run(cfg: ServeConfig, out: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    from flatcake.loadgen.bench import serve_emulated
+
+    python: Path | None = None
     try:
         if cfg.engine == "vllm":
             from flatcake.loadgen.serve import vllm
 
             python = vllm.server_python()
-        else:
+        elif any(s not in EMULATED for s in cfg.systems):  # the emulator needs no SGLang venv
             python = server_python()
     except FileNotFoundError as exc:
         raise RuntimeError(f"{exc}; {INSTALL}") from None
+    if any(s in EMULATED for s in cfg.systems):  # a missing calibration stops the run before any point
+        serve_emulated.calibrated_rates(Path(cfg.calibration))
     out.mkdir(parents=True, exist_ok=True)
     model = make_model(out / "model")
     trace = trace_for(cfg, out)
@@ -418,14 +436,15 @@ def run(cfg: ServeConfig, out: Path, log: Callable[[str], None] = print) -> dict
                 where = out / system / f"qps-{qps:g}" / f"rep-{rep}"
                 shutil.rmtree(where, ignore_errors=True)
                 try:
-                    point = run_vllm_point if cfg.engine == "vllm" else run_point
+                    point = (serve_emulated.run_point if system in EMULATED else
+                             run_vllm_point if cfg.engine == "vllm" else run_point)  # fmt: skip
                     row = point(system, qps, cfg, model, trace, where, log)
                 except Exception as exc:  # one backend that cannot run here is reported, not fatal
                     log(f"  {system} at {qps:g} QPS did not run: {exc}")
                     row = {"system": system, "qps": qps, "ran": False, "why_not": f"{type(exc).__name__}: {exc}"[:2000]}
                 rows.append({**row, "repeat": rep})
                 log(f"  done {len(rows)} of {total} points ({time.monotonic() - started:.0f} s)")
-    report = {"meta": {**dataclasses.asdict(cfg), "server_python": str(python),
+    report = {"meta": {**dataclasses.asdict(cfg), "server_python": str(python) if python else None,
                        "model": json.loads((model / "config.json").read_text()), "trace": str(trace),
                        "seconds": time.monotonic() - started,
                        "note": "CPU compute: absolute times are not a GPU's; the relative order is the point"},

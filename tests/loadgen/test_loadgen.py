@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from flatcake.errors import ConfigError
-from flatcake.loadgen.bench import e2e
+from flatcake.loadgen.bench import e2e, emulated
 from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.emulator.core import page_keys
 from flatcake.loadgen.emulator.storage import engine_config
@@ -251,6 +251,6 @@ def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path: Path) ->
         proc = subprocess.Popen([sys.executable, "-c", "import sys; print('port 1 is taken'); sys.exit(2)"],
                                 stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
         with pytest.raises(RuntimeError) as caught:
-            e2e._wait(lambda: False, proc, "the emulator", log)
+            emulated.wait_for(lambda: False, proc, "the emulator", log)
     assert f"the emulator exited with 2; see {log}" in str(caught.value)
     assert "port 1 is taken" in str(caught.value)
