@@ -34,6 +34,11 @@ SHAPES: dict[str, dict[str, int]] = {
 PROMPTS = (1024, 4096)  # cold prompt lengths: the slope between them is the prefill's cost per token
 
 
+def where_here(shape: str) -> str:
+    """The ``where`` of ``shape``'s row measured on this machine (how readers of the JSON find it)."""
+    return f"this machine, {shape}"
+
+
 def ratio(kv_bytes_per_token: float, read_bytes_per_s: float, prefill_s_per_token: float) -> float:
     """Seconds restoring a token's KV takes per second of prefilling it."""
     return kv_bytes_per_token / read_bytes_per_s / prefill_s_per_token
@@ -76,7 +81,7 @@ def measure(shape: str, workdir: Path, read_bytes_per_s: float, log: Callable[[s
     per_token = (ttft[long] - ttft[short]) / (long - short)
     if per_token <= 0:
         raise RuntimeError(f"{shape}: a {long}-token prefill took no longer than a {short}-token one ({ttft})")
-    row = {"where": f"this machine, {shape}", "shape": SHAPES[shape], "kv_bytes_per_token": kv,
+    row = {"where": where_here(shape), "shape": SHAPES[shape], "kv_bytes_per_token": kv,
            "ttft_s": {str(n): t for n, t in ttft.items()}, "prefill_s_per_token": per_token,
            "read_bytes_per_s": read_bytes_per_s,
            "restore_over_prefill": ratio(kv, read_bytes_per_s, per_token)}  # fmt: skip

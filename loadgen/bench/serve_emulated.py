@@ -42,6 +42,7 @@ from flatcake.loadgen.bench.serve import (
     ssd_pool_bytes,
     summarize,
 )
+from flatcake.loadgen.bench.serve_calibration import where_here
 from flatcake.loadgen.emulator.config import EmulatorConfig
 from flatcake.loadgen.replay.run import LoadgenConfig
 from flatcake.loadgen.replay.run import run as run_locust
@@ -75,7 +76,7 @@ def calibrated_rates(path: Path) -> Rates:
     if not path.is_file():
         raise ConfigError(f"calibration: {path} does not exist; the emulated systems take this CPU's prefill rate "
                           f"from it: run `{CALIBRATE}` first")  # fmt: skip
-    rows = [r for r in json.loads(path.read_text()).get("here", []) if r.get("where") == "this machine, slice"]
+    rows = [r for r in json.loads(path.read_text()).get("here", []) if r.get("where") == where_here("slice")]
     if not rows or not rows[0].get("prefill_s_per_token", 0) > 0:
         raise ConfigError(f"calibration: {path} has no 'slice' row with prefill_s_per_token > 0; run `{CALIBRATE}`")
     return Rates(1.0 / float(rows[0]["prefill_s_per_token"]), 1.0 / DECODE_S_PER_TOKEN, str(path))

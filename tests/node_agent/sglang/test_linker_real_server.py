@@ -18,26 +18,14 @@ from typing import Any
 import pytest
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from flatcake.loadgen.serve.model import make_model
-from flatcake.loadgen.serve.server import ROOT, SGLangServer, server_python
-from flatcake.node_agent import connect, geometry
-from tests.node_agent.sglang.test_real_server import INSTALL, LAYERS, PAGE_BYTES, PAGE_TOKENS, prompt, restored
+from flatcake.loadgen.serve.server import ROOT, SGLangServer
+from flatcake.node_agent import connect
+from tests.node_agent.sglang.test_real_server import LAYERS, PAGE_BYTES, PAGE_TOKENS, prompt, restored
 from tests.node_agent.sglang.test_real_server import agent as agent
+from tests.node_agent.sglang.test_real_server import model as model
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.system
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        server_python()
-    except FileNotFoundError as exc:
-        raise AssertionError(f"{exc}; {INSTALL}") from None
-    path = make_model(tmp_path_factory.mktemp("model"), layers=LAYERS)
-    g = geometry.load(path, page_tokens=PAGE_TOKENS)
-    assert (g.layers, g.page_bytes) == (LAYERS, PAGE_BYTES)
-    return path
 
 
 def linker_config(socket: str, trace: Path) -> dict[str, Any]:
