@@ -125,7 +125,9 @@ _SPECS = [
         ("event",),
         "",
         "DRAM copies by event: admitted_write, admitted_restore, served (pages leases read from a copy), evicted, "
-        "evicted_unread (evicted before any lease read them), unfilled (reserved at a restore, not filled).",
+        "evicted_unread (evicted before any lease read them), evicted_write and evicted_unread_write (those of "
+        "them made at a write), declined (not made: too few copies made that way were read before eviction), "
+        "unfilled (reserved at a restore, not filled).",
     ),
     # Data path (counted by whoever moves the bytes: the engine, or clients reporting to the agent).
     Spec("flatcake_ssd_read_commands", "counter", (), "", "SSD read commands issued by restores."),

@@ -45,9 +45,9 @@ class PlacementConfig:
     - ``agent_reply_tokens`` (τ, default 2,048): a reply this long marks tool-heavy agent work.
     - ``short_reply_tokens`` (default 512): previous replies at most this long make a short chat.
     - ``mode``: ``table2`` (the paper's rules), ``adaptive`` (Table 2 corrected by measured reuse
-      distances against DRAM's residence: ``policy/adaptive.py``) or ``copies`` (adaptive homes, and
-      sessions homed on SSD that come back within DRAM's residence get clean DRAM copies, dropped at
-      no cost under pressure: ``policy/scopes.py``).
+      distances against DRAM's residence: ``policy/adaptive.py``) or ``copies`` (Table 2's homes, and
+      pages homed on SSD get clean DRAM copies, dropped at no cost under pressure, while copies made
+      that way are read: ``policy/copies.py``).
     """
 
     agent_context_tokens: int = 32_768

@@ -253,7 +253,7 @@ class FlatCake(System):
             for k, v in t.copy_stats.snapshot().items():
                 copies[k] = copies.get(k, 0) + v
         out: dict[str, Any] = {"placements_pages": placements, "store_failures": self.store_failures}
-        if any(t.copy_index is not None for t in self.tables):
+        if any(t.copies is not None for t in self.tables):
             out["copy_pages"] = copies
         return out
 

@@ -297,5 +297,10 @@ class MooncakeL3(RealL3):
         return dram + held * self.c.page_span * self.c.width, ssd
 
     def counters(self) -> dict[str, Any]:
+        # What the segment holds when the trace ends was never written to SSD, and is not durable: the
+        # reason its SSD bytes written fall short of what write-through systems write on a finite trace.
+        held = sum(len(s) + len(p) for s, p in zip(self.segment, self.offloading, strict=True))
+        at_end = {"segment_pages_at_end": held, "segment_bytes_at_end": held * self.c.page_span * self.c.width}
         return {**super().counters(), "offloaded_pages": self.offloaded_pages, "segment_reads": self.segment_reads,
-                "refused_puts": self.refused_puts, "peak_offload_backlog_pages": self.peak_offload_backlog}  # fmt: skip
+                "refused_puts": self.refused_puts, "peak_offload_backlog_pages": self.peak_offload_backlog,
+                **at_end}  # fmt: skip

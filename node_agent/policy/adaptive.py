@@ -75,13 +75,10 @@ class ReuseModel:
         keep = math.inf if self.copy_residence is None else max(self.copy_residence, oldest_idle)
         return session_reuse is not None and session_reuse < keep
 
-    def adjust(
-        self, decision: Decision, session_reuse: int | None, oldest_idle: int = 0, promote: bool = True
-    ) -> Decision:
+    def adjust(self, decision: Decision, session_reuse: int | None, oldest_idle: int = 0) -> Decision:
         """Table 2's ``decision`` for a new scope, corrected by the reuse distance expected for it
         (``session_reuse``: its session's latest, if it has come back before). ``oldest_idle``: the
-        idle ticks of the least recently used scope DRAM holds now. ``promote=False`` (copies mode): an
-        SSD choice stays on SSD, whose session gets DRAM copies instead of a DRAM home."""
+        idle ticks of the least recently used scope DRAM holds now."""
         residence = self.residence_now(oldest_idle)
         expected = session_reuse if session_reuse is not None else self.reuse
         if expected is None:
@@ -89,7 +86,7 @@ class ReuseModel:
         if decision.medium is Medium.DRAM and expected > residence:
             self.to_ssd += 1
             return Decision(Medium.SSD, Reason.REUSE_BEYOND_DRAM)
-        soon = promote and session_reuse is not None and session_reuse < PROMOTE_MARGIN * residence
+        soon = session_reuse is not None and session_reuse < PROMOTE_MARGIN * residence
         if decision.medium is Medium.SSD and soon:
             self.to_dram += 1
             return Decision(Medium.DRAM, Reason.REUSE_WITHIN_DRAM)

@@ -132,13 +132,18 @@ class CopyReservation:
 @dataclass
 class CopyStats:
     """Copies mode, in pages: admitted (at write, at restore), served by leases, evicted (and of
-    those, evicted before any lease read them: admission's misses)."""
+    those, evicted before any lease read them: admission's misses; ``_write``: those made at a write).
+    ``declined``: pages not copied (at a write, at a restore) because too few of that way's copies were
+    read before eviction (``copies.Accuracy``)."""
 
     admitted_write: int = 0
     admitted_restore: int = 0
     served: int = 0
     evicted: int = 0
     evicted_unread: int = 0
+    evicted_write: int = 0
+    evicted_unread_write: int = 0
+    declined: int = 0
     unfilled: int = 0  # reserved at a restore, not filled by the reader (it failed or stopped early)
 
     def snapshot(self) -> dict[str, int]:

@@ -19,7 +19,8 @@ is deleted before its space can be reused (reclaim happens under the lock, and o
 scopes). A reader that wants to read bytes pins first; ``pin`` re-validates each entry under the lock.
 
 DRAM copies (``placement.mode: copies``): clean DRAM copies of SSD pages, in an index only ``pin`` reads
-(``copy_index``); never journaled, never the only copy (``adaptive.ReuseModel.copy_pays``).
+(``copies.CopyLedger``); never journaled, never the only copy. Whether a session's pages may displace older
+copies: ``adaptive.ReuseModel.copy_pays``; whether copies are made at all: ``copies.Accuracy``.
 
 Why one module of this size: allocation, publish and reclaim keep one invariant together (a scope's
 pages, index entries and space are freed at once, never under a pin); its records, the index, extents
@@ -41,6 +42,7 @@ from flatcake.errors import PoolFullError
 from flatcake.node_agent.constants import ALIGN
 from flatcake.node_agent.policy import gva as G
 from flatcake.node_agent.policy.adaptive import ReuseModel
+from flatcake.node_agent.policy.copies import RESTORE, WRITE, CopyLedger
 from flatcake.node_agent.policy.extents import Extent, ExtentAllocator
 from flatcake.node_agent.policy.gva import Medium
 from flatcake.node_agent.policy.keyindex import U64, Digests, Found, KeyIndex, Pages, pack
@@ -103,9 +105,8 @@ class ScopeTable:
         self.reclaimed = {Medium.DRAM: ReclaimStats(), Medium.SSD: ReclaimStats()}
         self.on_free: Callable[[Scope], None] | None = None  # told of every scope freed (journal)
         self.reuse = ReuseModel() if adaptive or copies else None  # adaptive, copies: learns from leases, reclaim
-        self.copy_index = KeyIndex() if copies else None  # copies mode: digest -> its DRAM copy (module doc)
-        self.copy_stats = CopyStats()
-        self._copy_read = np.zeros(dram_slots if copies else 0, bool)  # per DRAM slot: its copy was read
+        self.copies = CopyLedger(dram_slots, self._dram_gva, self._slot_of) if copies else None  # module doc
+        self.copy_stats = self.copies.stats if self.copies else CopyStats()
         self._ghosts: OrderedDict[tuple[int, int], int] = OrderedDict()  # see _adapt
 
     def use_index(self, index: KeyIndex) -> None:
@@ -218,7 +219,7 @@ class ScopeTable:
             if decision.medium is Medium.SSD:
                 res = self._reserve_ssd(keys, digests, scope, decision)
             assert res is not None
-            if self.copy_index is not None and res.scope.medium is Medium.SSD:
+            if self.copies is not None and res.scope.medium is Medium.SSD and self.copies.admits(WRITE, len(keys)):
                 # New pages get a DRAM copy as they are written (the writer has them in memory) while DRAM
                 # has room, or over older copies when the session came back within DRAM's residence.
                 res.copy_slots = self._take_copy_slots(len(keys), res.scope, self._copy_pays(session))
@@ -341,8 +342,8 @@ class ScopeTable:
             res.scope.keys.extend(d)
             res.scope.published(res.extents, res.slots)
             if res.copy_slots:
-                self._add_copies(res.scope, d, res.copy_slots, crc)
-                self.copy_stats.admitted_write += len(res.copy_slots)
+                assert self.copies is not None
+                self.copies.add(res.scope, d, res.copy_slots, crc, WRITE)
             self._pending.difference_update(res.keys)
             res.scope.pins -= 1
 
@@ -391,24 +392,9 @@ class ScopeTable:
                     scope.pins += 1
                     self._came_back(scope, now)
                     scope.last_used = now
-                if self.copy_index:
-                    found = self._at_copies(found, d)
+                if self.copies:
+                    found = self.copies.served(found, d)
             return found
-
-    def _at_copies(self, found: Found, d: Digests) -> Found:
-        assert self.copy_index is not None
-        c = self.copy_index.find(d, stable_only=False)
-        assert c is not None
-        if not c.hit.any():
-            return found
-        hit = c.hit
-        self.copy_stats.served += int(hit.sum())
-        self._copy_read[self._slot_of(c.gva[hit])] = True
-        return found._replace(
-            gva=np.where(hit, c.gva, found.gva),
-            stride=np.where(hit, c.stride, found.stride),
-            crc=np.where(hit, c.crc, found.crc),
-        )
 
     # ---- DRAM copies (copies mode) -------------------------------------------------------------
     def _copy_pays(self, session: int | None) -> bool:
@@ -441,13 +427,6 @@ class ScopeTable:
         for sid in plan_reclaim(victims, self.used(Medium.DRAM), self.dram.slots, n, 1.0, 1.0):
             self._drop_copies(self.scopes[sid], count=True)
 
-    def _add_copies(self, scope: Scope, d: Digests, slots: Sequence[int], crc: npt.NDArray[np.int64]) -> None:
-        assert self.copy_index is not None
-        self.copy_index.put(d, scope.id, *self._dram_gva(slots), crc)
-        scope.copy_slots.extend(slots)
-        scope.copy_keys.extend(d)
-        self._copy_read[list(slots)] = False
-
     def _slot_of(self, gva: U64) -> npt.NDArray[np.int64]:
         return ((gva & np.uint64(G.MAX_OFFSET)) // np.uint64(self.page_span)).astype(np.int64)
 
@@ -455,23 +434,16 @@ class ScopeTable:
         """Free every copy ``scope`` holds (its pages stay served from SSD)."""
         if not scope.copy_slots:
             return
-        assert self.copy_index is not None
-        n = len(scope.copy_slots)
-        if count:
-            self.copy_stats.evicted += n
-            self.copy_stats.evicted_unread += int((~self._copy_read[scope.copy_slots]).sum())
-            if self.reuse is not None:
-                self.reuse.copy_evicted(self._clock.now - scope.last_used)
-        self.copy_index.remove(scope.copy_keys.digests())
-        self.dram.release(scope.copy_slots)
-        scope.copy_slots = []
-        scope.copy_keys.clear()
+        assert self.copies is not None
+        if count and self.reuse is not None:
+            self.reuse.copy_evicted(self._clock.now - scope.last_used)
+        self.dram.release(self.copies.drop(scope, count))
 
     def reserve_copies(self, found: Found, d: Digests) -> CopyReservation | None:
         """Copies mode: DRAM slots for copies of the SSD pages of a lease just pinned (``found``, from
         ``pin``), for the scopes whose session came back within DRAM's residence. The reader fills them
         from what it read and hands them to ``publish_copies``; until then no reader finds them."""
-        if self.copy_index is None:
+        if self.copies is None:
             return None
         with self.lock:
             on_ssd = np.flatnonzero(found.hit & (found.gva >= np.uint64(G.SSD_THRESHOLD)))
@@ -479,6 +451,8 @@ class ScopeTable:
             slots: list[int] = []
             for sid in dict.fromkeys(found.scope[on_ssd].tolist()):  # scope by scope, in lease order
                 pages = on_ssd[found.scope[on_ssd] == sid].tolist()
+                if not self.copies.admits(RESTORE, len(pages)):
+                    continue
                 got = self._take_copy_slots(len(pages), None, self._copy_pays(self.scopes[sid].reuse))
                 if got:
                     want += pages
@@ -492,11 +466,11 @@ class ScopeTable:
         """The reader filled the copies whose ``crc`` is not negative (one per reserved page, the crc32
         of the copy's bytes): serve them from now on; free the rest. Call while the lease still pins
         the scopes. Returns the copies published."""
-        assert self.copy_index is not None
+        assert self.copies is not None
         if len(crc) != len(cres.slots):
             crc = [-1] * len(cres.slots)  # a reader that does not say what it filled filled nothing
         with self.lock:
-            known = self.copy_index.find(cres.digests, stable_only=False)
+            known = self.copies.index.find(cres.digests, stable_only=False)
             home = self.index.find(cres.digests, stable_only=False)
             assert known is not None and home is not None
             unused: list[int] = []
@@ -512,11 +486,10 @@ class ScopeTable:
                 self.dram.release(unused)
             for sid, js in per_scope.items():
                 at = np.asarray(js, np.int64)
-                self._add_copies(self.scopes[sid], (cres.digests[0][at], cres.digests[1][at]),
-                                 [cres.slots[j] for j in js], np.asarray([crc[j] for j in js], np.int64))  # fmt: skip
-            published = sum(len(js) for js in per_scope.values())
-            self.copy_stats.admitted_restore += published
-            return published
+                sums = np.asarray([crc[j] for j in js], np.int64)
+                self.copies.add(self.scopes[sid], (cres.digests[0][at], cres.digests[1][at]),
+                                [cres.slots[j] for j in js], sums, RESTORE)  # fmt: skip
+            return sum(len(js) for js in per_scope.values())
 
     def unpin(self, scope_ids: set[int]) -> None:
         with self.lock:
@@ -612,10 +585,16 @@ class ScopeTable:
                 if written is not None:
                     session = now - written
                     self.reuse.reused(session)
+        if self.copies is not None:
+            # Copies mode keeps Table 2's homes: a short-horizon scope stays DRAM-only (never written), a
+            # long-horizon one gets its durable SSD home, and DRAM earns its keep with copies. Turning DRAM
+            # choices to SSD by reuse distance too cost the main job 2.9x Table 2's TTFT at 4 QPS (its SSD
+            # prefetches, staged in SGLang's small host tier, were declined and recomputed); without, a tie.
+            return decision, session
         oldest = now
         if self.reuse.residence is not None:  # the scan matters only once DRAM has reclaimed a home
             oldest = min((s.last_used for s in self.scopes.values() if s.medium is Medium.DRAM), default=now)
-        return self.reuse.adjust(decision, session, now - oldest, promote=self.copy_index is None), session
+        return self.reuse.adjust(decision, session, now - oldest), session
 
     def _came_back(self, scope: Scope, now: int) -> None:
         """Adaptive placement: the first use of ``scope`` since its last write is its reuse distance."""
@@ -667,12 +646,9 @@ class ScopeTable:
             self.index.remove(d)
             scope = self.scopes[loc.scope]
             scope.keys.pop(scope.keys.index(int(d[0][0]), int(d[1][0])))
-            at = scope.copy_keys.index(int(d[0][0]), int(d[1][0])) if scope.copy_slots else -1
-            if at >= 0:  # its copy was made from the same bytes: it goes too
-                assert self.copy_index is not None
-                self.copy_index.remove(d)
-                self.dram.release([scope.copy_slots.pop(at)])
-                scope.copy_keys.pop(at)
+            slot = self.copies.drop_one(scope, d) if self.copies else None
+            if slot is not None:  # its copy was made from the same bytes: it goes too
+                self.dram.release([slot])
             if not scope.keys:
                 self.drop(scope.id)
             return True

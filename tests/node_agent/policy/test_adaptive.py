@@ -44,7 +44,7 @@ def replay(mode: str, *, fast: int = 3, slow: int = 6, every: int = 6, rounds: i
     ones every ``every`` rounds, by then DRAM has reclaimed what they left there. Each turn looks its
     history up, leases what is stored (a restore), and writes what was missing plus its new pages."""
     table = ScopeTable(node_id=1, layers=LAYERS, page_bytes=PAGE, file_bytes=64 * LAYERS * PAGE, files=64,
-                       dram_slots=dram, adaptive=mode == "adaptive")  # fmt: skip
+                       dram_slots=dram, adaptive=mode == "adaptive", copies=mode == "copies")  # fmt: skip
     cat = LocalCatalog(table, PlacementConfig(mode=mode))
     out = Outcome()
     history: dict[int, list[str]] = {}
@@ -96,6 +96,16 @@ def test_adaptive_keeps_what_comes_back_late_and_dram_for_what_comes_back_soon()
     assert adaptive.hits[("fast", "dram")] >= table2.hits[("fast", "dram")]
     # A session's last turn is never read again: 2 of its 3 DRAM turns are, the most any rule can get.
     assert table2.dram_accuracy() < adaptive.dram_accuracy() == pytest.approx(2 / 3)
+
+
+def test_copies_mode_keeps_table2s_homes_where_adaptive_moves_them() -> None:
+    """Copies mode learns the same distances but places every home as Table 2 does: the slow sessions'
+    short-chat turns stay DRAM-only (never written to SSD), and DRAM serves the rest as copies."""
+    table2, adaptive, copies = replay("table2"), replay("adaptive"), replay("copies")
+    assert adaptive.model is not None and adaptive.model.to_ssd > 0
+    assert copies.model is not None and copies.model.samples > 0 and copies.model.to_ssd == copies.model.to_dram == 0
+    assert {reason for _, reason in copies.reasons} == {reason for _, reason in table2.reasons}
+    assert not {Reason.REUSE_BEYOND_DRAM, Reason.REUSE_WITHIN_DRAM} & {reason for _, reason in copies.reasons}
 
 
 def test_the_rule_against_the_measured_residence() -> None:

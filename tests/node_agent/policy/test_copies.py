@@ -8,6 +8,7 @@ import pytest
 from flatcake.node_agent.catalog.local import LocalCatalog
 from flatcake.node_agent.config import PlacementConfig
 from flatcake.node_agent.policy.adaptive import ReuseModel
+from flatcake.node_agent.policy.copies import EXPLORE, MIN_READ_SHARE, RESTORE, WRITE, Accuracy
 from flatcake.node_agent.policy.gva import SSD_THRESHOLD, Medium
 from flatcake.node_agent.policy.placement import Decision, Hints, Reason
 from flatcake.node_agent.policy.scopes import ScopeTable
@@ -120,7 +121,7 @@ def test_copies_only_in_copies_mode() -> None:
         assert alloc is not None and alloc.copy_slots == []
         cat.publish(alloc.id, [0, 0])
         assert cat.acquire(["a0", "a1"], copy=True).copies == []
-        assert t.copy_index is None
+        assert t.copies is None
 
 
 def test_admission_follows_reuse_distance_against_dram_residence() -> None:
@@ -154,8 +155,11 @@ def test_admission_follows_reuse_distance_against_dram_residence() -> None:
     assert read(cat, soon) == ["ssd", "ssd"]  # it came back right after its write: copied over `old`'s
     assert read(cat, soon) == ["dram", "dram"]
     assert cat.exists(old) == 4 and read(cat, old, fill=False) == ["ssd"] * 4  # served from its home
-    fill = session("fill", 2)  # DRAM has room again: copied as written
-    late = session("late", 2)  # no room, no evidence: SSD only
+    # DRAM has room again, but the only copies made at a write (`old`'s) were dropped unread: not copied.
+    fill = session("fill", 2)
+    late = session("late", 2)
+    assert t.usage()["dram"]["copy_pages"] == 2 and t.copy_stats.declined == 4
+    read(cat, fill)  # restore copies were read so far: copied as restored
     assert t.usage()["dram"]["copy_pages"] == 4
     for _ in range(20):  # the copies in DRAM keep being read; the table's clock moves on
         cat.release(cat.acquire(soon + fill).id)
@@ -163,3 +167,52 @@ def test_admission_follows_reuse_distance_against_dram_residence() -> None:
     assert read(cat, late) == ["ssd", "ssd"]  # so it was not copied over the ones being read
     assert read(cat, soon) == ["dram", "dram"] and read(cat, fill) == ["dram", "dram"]
     assert t.copy_stats.evicted == 4 and t.copy_stats.evicted_unread == 4  # `old`'s were never read
+
+
+def test_a_way_of_copying_whose_copies_go_unread_stops_and_is_still_sampled() -> None:
+    acc = Accuracy()
+    assert acc.share(WRITE) is None and acc.admits(WRITE)  # nothing measured yet: copy
+    acc.evicted_copies(WRITE, read=1, unread=9)
+    assert acc.share(WRITE) == pytest.approx(0.1)
+    decisions = [acc.admits(WRITE) for _ in range(2 * EXPLORE)]
+    assert decisions.count(True) == 2 and decisions[EXPLORE - 1] and decisions[-1]  # one in EXPLORE samples
+    assert acc.admits(RESTORE)  # each way is judged on its own copies
+    for _ in range(12):  # the workload changed: the sampled copies are read now
+        acc.evicted_copies(WRITE, read=10, unread=0)
+    assert acc.share(WRITE) > MIN_READ_SHARE and all(acc.admits(WRITE) for _ in range(EXPLORE))
+    acc.evicted_copies(RESTORE, read=0, unread=0)  # an eviction of no copies of that way teaches nothing
+    assert acc.share(RESTORE) is None
+
+
+def test_copies_made_at_writes_stop_when_dram_drops_them_unread_while_restore_copies_go_on() -> None:
+    t = table(dram_slots=2)
+    cat = LocalCatalog(t, PlacementConfig(mode="copies"))
+    # Two sessions take turns, one page a turn, and nobody reads them: each continuation is evidence that
+    # its session comes back, so its copy displaces the other session's, which was never read.
+    last = {"a": None, "b": None}
+    turns = 4 * EXPLORE
+    for i in range(turns):
+        name = "ab"[i % 2]
+        key = f"{name}{i}"
+        alloc = cat.allocate([key], Hints(context_tokens=100_000, parent_key=last[name]))
+        assert alloc is not None and alloc.medium is Medium.SSD
+        cat.publish(alloc.id, [i])
+        last[name] = key
+    s = t.copy_stats
+    assert s.evicted_write == s.evicted_unread_write == s.evicted_unread >= 1
+    # Once copies made at writes were dropped unread, all writes but one in EXPLORE were declined.
+    assert s.admitted_write <= 3 + turns // EXPLORE and s.declined >= turns - 3 - turns // EXPLORE
+    assert cat.exists(list(last.values())) == 2  # nothing lost: dropped copies leave their homes
+
+    # Each way is judged on its own copies: with copies made at writes going unread, a page is not copied
+    # as it is written, but is as it is restored.
+    t = table(dram_slots=4)
+    cat = LocalCatalog(t, PlacementConfig(mode="copies"))
+    assert t.copies is not None
+    t.copies.accuracy.evicted_copies(WRITE, read=0, unread=4)
+    alloc = cat.allocate(["p0", "p1"], Hints(context_tokens=100_000))
+    assert alloc is not None and alloc.copy_slots == [] and t.copy_stats.declined == 2
+    cat.publish(alloc.id, [1, 2])
+    cat.release(cat.acquire(["p0"]).id)  # it came back (evidence), read from SSD without asking for copies
+    assert read(cat, ["p0", "p1"]) == ["ssd", "ssd"] and t.copy_stats.admitted_restore == 2
+    assert read(cat, ["p0", "p1"]) == ["dram", "dram"]
