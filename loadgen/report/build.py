@@ -119,11 +119,17 @@ AGENT_COUNTERS = {
 
 def agent_counters(prom: Path) -> dict[str, Any] | None:
     """A FlatCake point's node agent, from its /metrics: pages placed, scopes and bytes reclaimed and pages
-    restored, by medium; None where no agent ran."""
+    restored, by medium, and in copies mode its DRAM copies by event (``copy_pages``: admitted, served,
+    evicted unread, declined); None where no agent ran."""
     c = _counters(prom, AGENT_COUNTERS, "medium")
     if c is None:
         return None
-    return {field: {m: c[field].get(m, 0.0) for m in ("dram", "ssd")} for field in AGENT_COUNTERS.values()}
+    fields = AGENT_COUNTERS.values()
+    out: dict[str, dict[str, float]] = {f: {m: c[f].get(m, 0.0) for m in ("dram", "ssd")} for f in fields}
+    copies = _counters(prom, {"flatcake_copy_pages_total": "copy_pages"}, "event")
+    if copies is not None and any(copies["copy_pages"].values()):
+        out.update(copies)
+    return out
 
 
 SPREAD_FIELDS = ("delivered_hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "throughput_tokens_per_s")
@@ -155,7 +161,7 @@ def summarize_point(reps: list[tuple[list[dict[str, Any]], Path]]) -> dict[str, 
     out["l3_writes"] = writes[len(writes) // 2] if writes else None
     agents = [a for _, run in reps if (a := agent_counters(run / "agent.prom"))]
     out["agent"] = (
-        {f: {m: statistics.median(a[f][m] for a in agents) for m in ("dram", "ssd")} for f in agents[0]}
+        {f: {k: statistics.median(a[f].get(k, 0.0) for a in agents if f in a) for k in agents[0][f]} for f in agents[0]}
         if agents
         else None
     )

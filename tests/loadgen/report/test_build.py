@@ -69,3 +69,21 @@ def test_a_report_without_trace_metadata_says_unknown_not_zero(tmp_path: R.Path,
     assert report["verdicts"] and report["verdicts"][0] in text  # the verdict opens the page
     assert text.index(report["verdicts"][0]) < text.index("a</td>" if page.endswith("html") else "| a |")
     assert "trace ideal: unknown" in R.format_table(report)
+
+
+def test_an_agents_copies_are_reported_by_event_beside_its_placements(tmp_path: R.Path) -> None:
+    prom = tmp_path / "agent.prom"
+    prom.write_text(
+        "# TYPE flatcake_placements counter\n"
+        'flatcake_placements_total{medium="ssd",reason="agent_session"} 7.0\n'
+        'flatcake_placements_total{medium="dram",reason="shared_prompt"} 3.0\n'
+        "# TYPE flatcake_copy_pages counter\n"
+        'flatcake_copy_pages_total{event="admitted_write"} 5.0\n'
+        'flatcake_copy_pages_total{event="declined"} 9.0\n'
+    )
+    got = R.agent_counters(prom)
+    assert got is not None and got["placed_pages"] == {"dram": 3.0, "ssd": 7.0}
+    assert got["copy_pages"] == {"admitted_write": 5.0, "declined": 9.0}
+    prom.write_text('# TYPE flatcake_copy_pages counter\nflatcake_copy_pages_total{event="declined"} 0.0\n')
+    got = R.agent_counters(prom)
+    assert got is not None and "copy_pages" not in got  # Table 2: no copies, no field
