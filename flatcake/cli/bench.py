@@ -259,6 +259,7 @@ def add(sub: Subparsers) -> None:
     for name in ("repeats", "sessions", "turns", "pages-per-turn", "layers", "page-layer-bytes", "page-tokens"):
         peers.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
     peers.add_argument("--dram-fraction", type=float, dest="dram_fraction", help="DRAM tier as a share of pages")
+    peers.add_argument("--placement", choices=PLACEMENT_MODES, help="FlatCake's placement.mode (default table2)")
     peers.add_argument("--budget-mib", type=int, help="the most one system stores, when --pages-per-turn is not given")
     peers.set_defaults(func=_bench_peers)
 

@@ -71,6 +71,7 @@ class PeersConfig:
     systems: tuple[str, ...] = PEERS
     dram_fraction: float = 0.25
     workers: int = 4  # reads in flight, for every system and fio alike
+    placement: str = "table2"  # FlatCake's placement.mode (its DRAM pool's use: homes, or copies too)
 
     def geometry(self) -> ModelPreset:
         given = (self.layers, self.page_layer_bytes, self.page_tokens)
@@ -105,7 +106,7 @@ class Workload:
         return SystemSpec(
             layers=self.model.layers, page_bytes=self.model.page_layer_bytes, page_tokens=self.model.page_tokens,
             sessions=len(self.sessions), session_bytes=longest * self.model.span_bytes, workers=cfg.workers,
-            dram_fraction=cfg.dram_fraction, flush_dram=False, mla=self.model.mla,
+            dram_fraction=cfg.dram_fraction, flush_dram=False, mla=self.model.mla, placement=cfg.placement,
         )  # fmt: skip
 
     def unique_pages(self) -> int:
@@ -364,7 +365,7 @@ def run(
             "stored_pages": w.unique_pages(), "restored_bytes": pages * w.raw_page_bytes,
             "dram_budget_bytes": int(cfg.dram_fraction * w.spec(cfg).total_pages) * m.span_bytes,
             "dropped_caches": any(r.get("dropped_caches") for rs in runs.values() for r in rs),
-            "trace": cfg.trace, "repeats": cfg.repeats, "source": m.source,
+            "trace": cfg.trace, "repeats": cfg.repeats, "source": m.source, "placement": cfg.placement,
         },
         "limit": limit,
         "ceiling": top,

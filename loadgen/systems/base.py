@@ -66,6 +66,7 @@ class SystemSpec:
     mla: bool = True  # one latent per token (a flat byte page per layer), or MHA K/V heads (SGLang's layouts)
     # tiered: read into a host pool allocated once for the largest session (SGLang's), not a buffer per restore
     host_pool: bool = False
+    placement: str = "table2"  # FlatCake's placement.mode
 
     @property
     def session_pages(self) -> int:

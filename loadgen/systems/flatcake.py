@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flatcake.loadgen.systems.base import Array, MiB, RequestTiming, RestoreCounters, SystemSpec
-from flatcake.node_agent import DramConfig, Engine, EngineConfig, Hints, IOConfig, Key, SsdConfig
+from flatcake.node_agent import DramConfig, Engine, EngineConfig, Hints, IOConfig, Key, PlacementConfig, SsdConfig
 from flatcake.node_agent.datapath.buffers import round_up
 from flatcake.node_agent.policy.gva import SSD_THRESHOLD
 
@@ -26,6 +26,7 @@ def engine_config(spec: SystemSpec, pool_dir: Path, dram: DramConfig, streams: i
         page_bytes=spec.page_bytes,
         page_tokens=spec.page_tokens,
         dram=dataclasses.replace(dram, bytes=int(spec.dram_fraction * spec.total_pages) * spec.page_span),
+        placement=PlacementConfig(mode=spec.placement),
         ssd=SsdConfig(
             dir=str(pool_dir),
             file_bytes=round_up(spec.session_bytes, MiB),

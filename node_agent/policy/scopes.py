@@ -441,7 +441,8 @@ class ScopeTable:
 
     def reserve_copies(self, found: Found, d: Digests) -> CopyReservation | None:
         """Copies mode: DRAM slots for copies of the SSD pages of a lease just pinned (``found``, from
-        ``pin``), for the scopes whose session came back within DRAM's residence. The reader fills them
+        ``pin``), scope by scope while restore copies are read often enough (``copies.Accuracy``): free
+        slots, or older copies' when the session came back within DRAM's residence. The reader fills them
         from what it read and hands them to ``publish_copies``; until then no reader finds them."""
         if self.copies is None:
             return None

@@ -163,3 +163,25 @@ def test_flatcake_restores_the_stored_prefix_and_counts_the_rest_as_missed(tmp_p
         assert np.array_equal(dest[:, :3], kv)
     finally:
         system.close()
+
+
+def test_flatcake_as_a_benchmark_system_runs_the_placement_it_is_given(tmp_path: Path) -> None:
+    """bench peers' --placement copies: the written pages get DRAM copies, and a restore reads them there
+    while their home stays on SSD."""
+    from flatcake.loadgen.systems.base import SystemSpec
+    from flatcake.loadgen.systems.flatcake import FlatCakeSystem
+    from flatcake.node_agent import Hints
+
+    spec = SystemSpec(layers=2, page_bytes=4096, page_tokens=16, sessions=1, session_bytes=4 * 2 * 4096,
+                      dram_fraction=1.0, placement="copies")  # fmt: skip
+    system = FlatCakeSystem(tmp_path, spec)
+    try:
+        assert system.engine.config.placement.mode == "copies"
+        kv = pages(2, 3, 4096)
+        system.put(["a", "b", "c"], kv, Hints(context_tokens=100_000))  # an agent session: SSD home
+        assert system.placement(["a", "b", "c"]) == ["ssd"] * 3
+        dest = np.zeros((2, 3, 4096), np.uint8)
+        assert system.restore(["a", "b", "c"], dest) == 0 and np.array_equal(dest, kv)  # none missing
+        assert system.engine.table.copy_stats.served == 3  # all three read from their DRAM copies
+    finally:
+        system.close()
