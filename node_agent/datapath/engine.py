@@ -360,16 +360,16 @@ class Engine:
             return [-1] * len(want)
         fill = [i for i in want if i not in restore.missing]
         crc = dict.fromkeys(want, -1)
-        c, dram3 = self.config, self._dram3
-        for at in range(0, len(fill), 64):  # a bounded gather buffer: 64 pages at a time
-            part = fill[at : at + 64]
-            buf = np.zeros((len(part), c.layers, c.page_bytes), np.uint8)
-            dst = np.asarray([pages[i] for i in part], np.int64)
-            for layer in range(c.layers):
-                target.read_pages(layer, dst, buf[:, layer])
-            dram3[[lease.copies[i] for i in part]] = buf
-            for j, i in enumerate(part):
-                crc[i] = page_checksum(buf[j][:, None, :], 0)
+        # Straight into each copy's slot: a gather buffer was fresh memory per call, and its page faults
+        # cost 60x the copy itself (bench peers: copies mode restored at 0.35x Table 2's rate).
+        dram3, raw = self._dram3, target.raw_bytes
+        for i in fill:
+            slot = dram3[lease.copies[i]]  # [layers][page_bytes], a view of the pool
+            page = np.asarray([pages[i]], np.int64)
+            for layer in range(self.config.layers):
+                target.read_pages(layer, page, slot[layer : layer + 1])
+            slot[:, raw:] = 0  # padding as a stored page has it (the checksum covers it)
+            crc[i] = page_checksum(slot[:, None, :], 0)
         self.stats.add("copy_pages_written", len(fill))
         return [crc[i] for i in want]
 
