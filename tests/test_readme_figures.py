@@ -119,7 +119,7 @@ def test_the_copies_figures_are_the_committed_runs() -> None:
     assert f"only {against('hicache-file', 64)} and {against('hicache-mooncake', 64)} at 64 users" in flat
     e2e = _e2e("e2e-copies.json")
     ratio = {q: f"{_mean(e2e, 'flatcake-copies', q) / _mean(e2e, 'flatcake', q):.2f}×" for q in (2, 4)}
-    assert f"copies do not win: {ratio[2]} Table 2's mean TTFT at 2 QPS and {ratio[4]} at 4 QPS" in flat
+    assert f"copies do not win clearly: {ratio[2]} Table 2's mean TTFT at 2 QPS and {ratio[4]} at 4 QPS" in flat
 
 
 def test_the_sglang_slice_and_the_calibration_are_the_committed_runs() -> None:
