@@ -55,9 +55,16 @@ if TYPE_CHECKING:
 
 # Opt-in: the emulator configured as the real deployment (serve_emulated.py), never in the default run.
 EMULATED = ("emu-flatcake", "emu-hicache-file", "emu-flatcake-native")
-SYSTEMS = tuple(s for s in names.names("serve") if s not in EMULATED)
 CALIBRATION = Path(__file__).resolve().parents[2] / "docs" / "results" / "serve-calibration.json"
 ENGINES = {"sglang": "serve", "vllm": "serve-vllm"}  # engine -> the registry's bench of its systems
+
+
+def default_systems(engine: str) -> tuple[str, ...]:
+    """``--systems`` when not given: every real system of the engine (the emulated ones are opt-in)."""
+    return tuple(s for s in names.names(ENGINES[engine]) if s not in EMULATED)
+
+
+SYSTEMS = default_systems("sglang")
 VLLM_DEVICE_HITS = "vllm:prefix_cache_hits_total"
 VLLM_STORAGE_HITS = "vllm:external_prefix_cache_hits_total"
 VLLM_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"  # {source}: host (DRAM tier), disk (fs tier)
@@ -402,11 +409,6 @@ def summarize(system: str, qps: float, records: list[dict[str, Any]], replay_s: 
     if pages is not None:
         row.update(dram_hits=pages["dram"], ssd_hits=pages["ssd"])
     return row
-
-
-def default_systems(engine: str) -> tuple[str, ...]:
-    """``--systems`` when not given: every real system of the engine (the emulated ones are opt-in)."""
-    return tuple(s for s in names.names(ENGINES[engine]) if s not in EMULATED)
 
 
 def run(cfg: ServeConfig, out: Path, log: Callable[[str], None] = print) -> dict[str, Any]:

@@ -291,15 +291,18 @@ class MooncakeL3(RealL3):
                 ssd += 1
         return got, self._ssd_read(job, ssd) if ssd else self.loop.now
 
+    def _held_pages(self) -> int:
+        """Pages in the segments, those being offloaded included (they hold their memory until written)."""
+        return sum(len(s) + len(p) for s, p in zip(self.segment, self.offloading, strict=True))
+
     def occupancy(self) -> tuple[int, int]:
         dram, ssd = super().occupancy()
-        held = sum(len(s) + len(p) for s, p in zip(self.segment, self.offloading, strict=True))
-        return dram + held * self.c.page_span * self.c.width, ssd
+        return dram + self._held_pages() * self.c.page_span * self.c.width, ssd
 
     def counters(self) -> dict[str, Any]:
         # What the segment holds when the trace ends was never written to SSD, and is not durable: the
         # reason its SSD bytes written fall short of what write-through systems write on a finite trace.
-        held = sum(len(s) + len(p) for s, p in zip(self.segment, self.offloading, strict=True))
+        held = self._held_pages()
         at_end = {"segment_pages_at_end": held, "segment_bytes_at_end": held * self.c.page_span * self.c.width}
         return {**super().counters(), "offloaded_pages": self.offloaded_pages, "segment_reads": self.segment_reads,
                 "refused_puts": self.refused_puts, "peak_offload_backlog_pages": self.peak_offload_backlog,

@@ -121,9 +121,11 @@ class CopyLedger:
             self.stats.evicted_unread += int((~read).sum())
             for o in ORIGINS:
                 mine = origin == o
-                self.accuracy.evicted_copies(o, int((read & mine).sum()), int((~read & mine).sum()))
-            self.stats.evicted_unread_write += int((~read & (origin == WRITE)).sum())
-            self.stats.evicted_write += int((origin == WRITE).sum())
+                hit, missed = int((read & mine).sum()), int((~read & mine).sum())
+                self.accuracy.evicted_copies(o, hit, missed)
+                if o == WRITE:
+                    self.stats.evicted_write += hit + missed
+                    self.stats.evicted_unread_write += missed
         self.index.remove(scope.copy_keys.digests())
         scope.copy_slots = []
         scope.copy_keys.clear()
