@@ -46,8 +46,11 @@ def test_prefixes_come_back_from_flatcake_into_a_real_vllm_server(tmp_path: Path
             cold = server.complete(SESSION)
             cold_shared = server.complete(SHARED, flatcake={"expected_reuse": 2})
             assert cold.prompt_tokens == 2281
-            stats = agent_stats(socket)
-            placements = stats["placements"]
+            # Saves are stored after the step, on the connector's save thread: wait for both prompts' blocks.
+            stored = 17 + cold_shared.prompt_tokens // BLOCK
+            wait_until(lambda: sum(agent_stats(socket)["placements"].values()) >= stored,
+                       what="both prompts' blocks stored by the connector's save thread")  # fmt: skip
+            placements = agent_stats(socket)["placements"]
             assert isinstance(placements, dict)
             # The session's 17 blocks on SSD (one request, one turn: its prefill chunks continue one scope);
             # the prompt the request called shared on DRAM (Table 2's shared-prompt rule).
