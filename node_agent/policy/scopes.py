@@ -222,7 +222,7 @@ class ScopeTable:
             if self.copies is not None and res.scope.medium is Medium.SSD and self.copies.admits(WRITE, len(keys)):
                 # New pages get a DRAM copy as they are written (the writer has them in memory) while DRAM
                 # has room, or over older copies when the session came back within DRAM's residence.
-                res.copy_slots = self._take_copy_slots(len(keys), res.scope, self._copy_pays(session))
+                res.copy_slots = self._take_copy_slots(len(keys), res.scope, self._copy_pays(session), WRITE)
             res.scope.pins += 1
             res.scope.last_used = res.scope.written = next(self._clock)
             res.scope.reread = False
@@ -407,20 +407,24 @@ class ScopeTable:
         oldest = min((s.last_used for s in self.scopes.values() if s.copy_slots), default=now)
         return self.reuse.copy_pays(session, now - oldest)
 
-    def _take_copy_slots(self, n: int, keep: Scope | None, evidence: bool) -> list[int]:
-        """DRAM slots for ``n`` copies: free ones, or, on ``evidence`` that they will be read, ones older
-        copies give up (``_evict_copies``); none when they cannot fit. A copy never displaces a DRAM home."""
+    def _take_copy_slots(self, n: int, keep: Scope | None, evidence: bool, origin: int) -> list[int]:
+        """DRAM slots for ``n`` copies made at a write or a restore (``origin``): free ones, or, on
+        ``evidence`` that they will be read, ones older copies give up (``_evict_copies``); none when they
+        cannot fit. A copy never displaces a DRAM home, and a restore's never displaces a copy made at a
+        write that no lease has read yet (``copies`` module doc)."""
         if self.dram.free < n and evidence:
-            self._evict_copies(n, keep)
+            self._evict_copies(n, keep, spare_unread_writes=origin == RESTORE)
         return self.dram.alloc(n) if self.dram.free >= n else []
 
-    def _evict_copies(self, n: int, keep: Scope | None) -> None:
-        """Drop the least recently used copies (never ``keep``'s or a pinned scope's) until ``n`` slots are
-        free, or none when even all of them would not do."""
+    def _evict_copies(self, n: int, keep: Scope | None, spare_unread_writes: bool = False) -> None:
+        """Drop the least recently used copies (never ``keep``'s or a pinned scope's, nor, when
+        ``spare_unread_writes``, a scope's holding a written copy not read yet) until ``n`` slots are free,
+        or none when even all of them would not do."""
         if self.dram.free >= n or n > self.dram.slots:
             return
+        spared = self.copies.awaits_first_read if self.copies and spare_unread_writes else lambda _: False
         victims = [
-            Victim(s.id, s.last_used, len(s.copy_slots), s.pins > 0 or s is keep)
+            Victim(s.id, s.last_used, len(s.copy_slots), s.pins > 0 or s is keep or spared(s))
             for s in self.scopes.values()
             if s.copy_slots
         ]
@@ -454,7 +458,7 @@ class ScopeTable:
                 pages = on_ssd[found.scope[on_ssd] == sid].tolist()
                 if not self.copies.admits(RESTORE, len(pages)):
                     continue
-                got = self._take_copy_slots(len(pages), None, self._copy_pays(self.scopes[sid].reuse))
+                got = self._take_copy_slots(len(pages), None, self._copy_pays(self.scopes[sid].reuse), RESTORE)
                 if got:
                     want += pages
                     slots += got

@@ -152,21 +152,48 @@ def test_admission_follows_reuse_distance_against_dram_residence() -> None:
     t.reuse.copy_evicted(6)
     soon = session("soon", 2)  # no room, no evidence yet: SSD only
     assert t.usage()["dram"]["copy_pages"] == 4
-    assert read(cat, soon) == ["ssd", "ssd"]  # it came back right after its write: copied over `old`'s
+    # It came back right after its write, but `old`'s copies still wait for their first read: a restore's
+    # copy does not displace those (copies module doc).
+    assert read(cat, soon) == ["ssd", "ssd"] and t.usage()["dram"]["copy_pages"] == 4
+    assert read(cat, old) == ["dram"] * 4  # read: from now on older copies like any other
+    assert read(cat, soon) == ["ssd", "ssd"]  # so copied over them
     assert read(cat, soon) == ["dram", "dram"]
-    assert cat.exists(old) == 4 and read(cat, old, fill=False) == ["ssd"] * 4  # served from its home
-    # DRAM has room again, but the only copies made at a write (`old`'s) were dropped unread: not copied.
+    home = cat.acquire(old)  # (a reader that asks for no copies)
+    assert media(home.locations) == ["ssd"] * 4  # served from its home
+    cat.release(home.id)
+    assert t.copy_stats.evicted == 4 and t.copy_stats.evicted_unread == 0
+    # DRAM has room for two: a new session is copied as written, the next one is not (no room, no evidence).
     fill = session("fill", 2)
     late = session("late", 2)
-    assert t.usage()["dram"]["copy_pages"] == 2 and t.copy_stats.declined == 4
-    read(cat, fill)  # restore copies were read so far: copied as restored
-    assert t.usage()["dram"]["copy_pages"] == 4
+    assert t.usage()["dram"]["copy_pages"] == 4 and t.copy_stats.admitted_write == 6
     for _ in range(20):  # the copies in DRAM keep being read; the table's clock moves on
         cat.release(cat.acquire(soon + fill).id)
     assert read(cat, late) == ["ssd", "ssd"]  # back 20+ ticks after its write: DRAM keeps copies ~6
     assert read(cat, late) == ["ssd", "ssd"]  # so it was not copied over the ones being read
     assert read(cat, soon) == ["dram", "dram"] and read(cat, fill) == ["dram", "dram"]
-    assert t.copy_stats.evicted == 4 and t.copy_stats.evicted_unread == 4  # `old`'s were never read
+
+
+def test_a_restore_copies_over_copies_already_read_never_over_written_ones_awaiting_their_first_read() -> None:
+    """Sessions written in turn and restored once each, in another order (bench peers' pattern): under plain
+    LRU each restore's copies displaced the written copies of the sessions restored next, before their
+    first read. Sparing those, every session written into DRAM's room is read from its copies."""
+    t = table(dram_slots=6)
+    cat = LocalCatalog(t, PlacementConfig(mode="copies"))
+    sessions = {}
+    for name in "abcd":
+        keys = [f"{name}{i}" for i in range(2)]
+        alloc = cat.allocate(keys, Hints(context_tokens=100_000))
+        assert alloc is not None
+        cat.publish(alloc.id, [0, 0])
+        sessions[name] = keys
+    assert t.usage()["dram"]["copy_pages"] == 6  # a, b, c copied as written; d found no room
+    assert read(cat, sessions["d"]) == ["ssd", "ssd"]  # restored first: no copy displaced for it
+    assert [read(cat, sessions[n]) for n in "abc"] == [["dram", "dram"]] * 3
+    assert t.copy_stats.served == 6 and t.copy_stats.evicted_unread == 0
+    # Once read, written copies are older copies like any other: d came back within DRAM's residence.
+    assert read(cat, sessions["d"]) == ["ssd", "ssd"]  # copied now, over a's (the least recently used)
+    assert read(cat, sessions["d"]) == ["dram", "dram"] and t.copy_stats.evicted == 2
+    assert cat.exists(sessions["a"]) == 2  # nothing lost: a's copies' home is SSD
 
 
 def test_a_way_of_copying_whose_copies_go_unread_stops_and_is_still_sampled() -> None:
