@@ -274,12 +274,14 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if not load.sync:
                 self._async_blocks[load.req_id] = load.block_ids
                 dest, copy = self._dest(load.block_ids)
-                self._async.submit(load.req_id, len(load.keys), functools.partial(self._load_whole, load, dest, copy))
+                # Counted first: counters go to the agent with a lease's release, which the load may reach first.
                 engine.stats.add("connector_pages_async", len(load.keys))
+                self._async.submit(load.req_id, len(load.keys), functools.partial(self._load_whole, load, dest, copy))
         sync = [load for load in meta.loads if load.sync]
         if sync:
             keys = [k for load in sync for k in load.keys]
             dest, copy = self._dest([b for load in sync for b in load.block_ids])
+            engine.stats.add("connector_pages_layerwise", len(keys))
             loads = LayerLoads(
                 lambda: engine.get(keys, dest),
                 len(self._layers),
@@ -289,7 +291,6 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 name="flatcake-vllm-layers",
             )
             self._step_loads = (loads, sync)
-            engine.stats.add("connector_pages_layerwise", len(keys))
 
     def _dest(self, block_ids: Sequence[int]) -> tuple[Any, Callable[[int], None] | None]:
         """Where a load lands: in place, straight into vLLM's KV buffer where its layers are views of one buffer
@@ -375,8 +376,8 @@ class FlatCakeConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         nbytes = len(save.block_ids) * len(self._layers) * self.page_bytes
         job = SaveJob(save.req_id, nbytes, functools.partial(self._gather, save), pages=len(save.block_ids))
+        self._engine().stats.add("connector_pages_saved", len(save.block_ids))  # first, as loads count theirs
         self.stall["save"] += self._saves.submit(job)
-        self._engine().stats.add("connector_pages_saved", len(save.block_ids))
 
     def _gather(self, save: Save) -> list[tuple[list[str], npt.NDArray[np.uint8], Any]]:
         """The save's blocks copied out of vLLM's buffer, as its puts (on the save thread, or the step's
