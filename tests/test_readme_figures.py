@@ -117,6 +117,11 @@ def test_the_copies_figures_are_the_committed_runs() -> None:
     flat = " ".join(readme.split())
     assert f"{against('hicache-file', 256)} and {against('hicache-mooncake', 256)} their mean TTFT at 256" in flat
     assert f"only {against('hicache-file', 64)} and {against('hicache-mooncake', 64)} at 64 users" in flat
+    peers = _e2e("peers-dsv4-flash-placement.json")["copies"]["systems"]
+    share = {name: f"{peers[name]['dram_hit_fraction']:.0%}" for name in ("flatcake", "tiered")}
+    assert (
+        f"copies serve {share['flatcake']} of restored pages from DRAM against the LRU tier's {share['tiered']}" in flat
+    )
     e2e = _e2e("e2e-copies.json")
     ratio = {q: f"{_mean(e2e, 'flatcake-copies', q) / _mean(e2e, 'flatcake', q):.2f}×" for q in (2, 4)}
     assert f"copies do not win clearly: {ratio[2]} Table 2's mean TTFT at 2 QPS and {ratio[4]} at 4 QPS" in flat
