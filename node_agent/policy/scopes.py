@@ -20,7 +20,8 @@ scopes). A reader that wants to read bytes pins first; ``pin`` re-validates each
 
 DRAM copies (``placement.mode: copies``): clean DRAM copies of SSD pages, in an index only ``pin`` reads
 (``copies.CopyLedger``); never journaled, never the only copy. Whether a session's pages may displace older
-copies: ``adaptive.ReuseModel.copy_pays``; whether copies are made at all: ``copies.Accuracy``.
+copies: ``adaptive.ReuseModel.copy_pays`` (a restore's never displace a written copy not read yet:
+``copies.CopyLedger.awaits_first_read``); whether copies are made at all: ``copies.Accuracy``.
 
 Why one module of this size: allocation, publish and reclaim keep one invariant together (a scope's
 pages, index entries and space are freed at once, never under a pin); its records, the index, extents
