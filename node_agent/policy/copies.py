@@ -125,10 +125,10 @@ class CopyLedger:
         if count:
             read, origin = self._read[slots], self._origin[slots]
             self.stats.evicted += len(slots)
-            self.stats.evicted_unread += int((~read).sum())
-            for o in ORIGINS:
+            for o in ORIGINS:  # every copy has one origin: the unread per origin sum to all unread
                 mine = origin == o
                 hit, missed = int((read & mine).sum()), int((~read & mine).sum())
+                self.stats.evicted_unread += missed
                 self.accuracy.evicted_copies(o, hit, missed)
                 if o == WRITE:
                     self.stats.evicted_write += hit + missed
