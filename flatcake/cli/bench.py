@@ -107,8 +107,14 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 
     cfg = e2e.QUICK if args.quick else e2e.E2EConfig()
     fields = ("trace", "offset", "requests", "window_s", "qps", "time_scale", "systems", "schedulers", "placements",
-              "storage_dram_shares", "repeats", "model", "gpu", "prefetch_policy")  # fmt: skip
+              "storage_dram_shares", "repeats", "model", "gpu", "prefetch_policy", "slo_ttft_s")  # fmt: skip
     given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    if args.sweep is not None:
+        if args.qps is not None or args.time_scale is not None:
+            raise ConfigError("--sweep chooses its own rates; leave out --qps and --time-scale")
+        given["ladder"] = tuple(args.sweep)
+    elif args.slo_ttft_s is not None:
+        raise ConfigError("--slo-ttft applies to --sweep only")
     if "systems" in given:
         given["systems"] = names.resolve("e2e", given["systems"], "--systems")
     sizing = {k: getattr(args, k) for k in ("hbm_share", "dram_share") if getattr(args, k) is not None}
@@ -118,6 +124,8 @@ def _bench_e2e(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     report = e2e.run(cfg, args.out, log=lambda m: print(m, file=sys.stderr))
     print(R.format_table(report))
+    if "capacity_table" in report:
+        print(report["capacity_table"])
     print(f"report: {Path(args.out) / 'report.md'} (and report.html, report.json, plots)", file=sys.stderr)
     return 0
 
@@ -222,6 +230,12 @@ def add(sub: Subparsers) -> None:
     e2e.add_argument("--requests", type=int, help="requests replayed per point (default 100)")
     e2e.add_argument("--window", type=float, dest="window_s", help="at most this many seconds of trace time")
     e2e.add_argument("--qps", type=_csv(float, "--qps"), help="arrival rates, comma-separated (default 2,4)")
+    e2e.add_argument("--sweep", type=_csv(float, "--sweep"), metavar="START,STOP",
+                     help="a load sweep: climb rates from START to STOP (1-1.25-1.5-2-2.5-3-4-5-6-8 series) to each "
+                          "system's knee, then 1.5x and 2x tiered's; reports goodput at --slo-ttft")  # fmt: skip
+    e2e.add_argument("--slo-ttft", type=float, dest="slo_ttft_s", metavar="S",
+                     help="--sweep: the P90 TTFT objective in seconds (default: the cold prefill of the slice's "
+                          "P90 prompt on --gpu)")  # fmt: skip
     e2e.add_argument("--time-scale", type=_csv(float, "--time-scale"), dest="time_scale",
                      help="replay at the trace's own times x each factor, instead of --qps")  # fmt: skip
     e2e.add_argument("--systems", type=_csv(str, "--systems"),

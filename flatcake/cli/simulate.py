@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from flatcake.cli.common import _csv, _write_json
 from flatcake.errors import ConfigError
 from flatcake.loadgen import names
+from flatcake.loadgen.report import capacity
 from flatcake.node_agent.constants import PLACEMENT_MODES
 
 if TYPE_CHECKING:
@@ -23,6 +24,10 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.validate:
         return _simulate_validate(args)
+    if args.sweep == "load" and args.qps is not None:
+        raise ConfigError("--qps: --sweep load chooses its own rates; give --ladder START,STOP instead")
+    if args.sweep != "load" and (args.slo_ttft is not None or args.ladder is not None):
+        raise ConfigError("--slo-ttft and --ladder apply to --sweep load only")
     if args.sweep and args.qps is not None and len(args.qps) != 1:
         raise ConfigError(f"--qps: --sweep runs one rate, {len(args.qps)} given")
 
@@ -53,6 +58,8 @@ def _simulate_sweep(args: argparse.Namespace, cfg: object) -> int:
     from flatcake.loadgen.simulate import sweeps
 
     assert isinstance(cfg, sim.SimConfig)
+    if args.sweep == "load":
+        return _simulate_load(args, cfg)
     if args.qps is None:
         cfg = dataclasses.replace(cfg, qps=(1.0,))
     out = Path(args.out or "results/simulate")
@@ -61,6 +68,24 @@ def _simulate_sweep(args: argparse.Namespace, cfg: object) -> int:
     print(sweeps.format_table(report))
     report["plot"] = sweeps.plot(report, out / f"sweep-{args.sweep}.png")
     _write_json(args.json or str(out / f"sweep-{args.sweep}.json"), report)
+    return 0
+
+
+def _simulate_load(args: argparse.Namespace, cfg: object) -> int:
+    from flatcake.loadgen.simulate import load
+
+    out = Path(args.out or "results/simulate")
+    ladder = capacity.DEFAULT_LADDER
+    if args.ladder is not None:
+        if len(args.ladder) != 2:
+            raise ConfigError(f"--ladder: give START,STOP (two rates), not {len(args.ladder)} values")
+        ladder = (args.ladder[0], args.ladder[1])
+        if not 0 < ladder[0] <= ladder[1]:
+            raise ConfigError(f"--ladder: {args.ladder} must be 0 < START <= STOP")
+    report = load.run(cfg, out, slo_s=args.slo_ttft, ladder=ladder, quiet=args.quiet,  # type: ignore[arg-type]
+                      log=lambda m: print(m, file=sys.stderr))  # fmt: skip
+    print(capacity.format_table(report["capacity"]))
+    _write_json(args.json or str(out / "sweep-load.json"), report)
     return 0
 
 
@@ -112,8 +137,15 @@ def add(sub: Subparsers) -> None:
     simp.add_argument("--json", metavar="PATH", help="write the results as JSON (default: OUT/simulate.json)")
     simp.add_argument("--out", help="where plots and JSON go")
     simp.add_argument("--quiet", action="store_true", help="no progress bar")
-    simp.add_argument("--sweep", choices=["dram-ssd", "placement", "gap", "staging", "long-sessions"],
-                      help="vary one knob (at one --qps, default 1.0): JSON and a plot in --out")  # fmt: skip
+    simp.add_argument("--sweep", choices=["load", "dram-ssd", "placement", "gap", "staging", "long-sessions"],
+                      help="load: every system on a load ladder to its knee, goodput at --slo-ttft; the others "
+                           "vary one knob (at one --qps, default 1.0): JSON and a plot in --out")  # fmt: skip
+    simp.add_argument("--slo-ttft", type=float, dest="slo_ttft", metavar="S",
+                      help="--sweep load: the P90 TTFT objective in seconds (default: the cold prefill of "
+                           "the trace's P90 prompt on --gpu)")  # fmt: skip
+    simp.add_argument("--ladder", type=_csv(float, "--ladder"), metavar="START,STOP",
+                      help=f"--sweep load: the rates climbed, on a 1-1.25-1.5-2-2.5-3-4-5-6-8 series "
+                           f"(default {','.join(f'{q:g}' for q in capacity.DEFAULT_LADDER)})")  # fmt: skip
     simp.add_argument("--validate", action="store_true",
                       help="run one small case through the emulator and the simulator and compare them "
                            "(--limit 100, --qps 2, --gpu a100, --systems flatcake unless given)")  # fmt: skip

@@ -32,6 +32,7 @@ from flatcake.loadgen.replay.requests import prompt_tokens
 from flatcake.loadgen.replay.run import LoadgenConfig
 from flatcake.loadgen.replay.run import run as run_locust
 from flatcake.loadgen.report import build as R
+from flatcake.loadgen.report import capacity
 from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.loadgen.traces import slices
 from flatcake.loadgen.traces import stats as trace_stats
@@ -86,6 +87,10 @@ class E2EConfig:
     sizing: Sizing = field(default_factory=Sizing)
     max_output: int = 16
     use_agent: bool = True
+    # A load sweep: climb the rungs from START to STOP (capacity.rungs) to each system's knee instead of ``qps``
+    ladder: tuple[float, float] | None = None
+    slo_ttft_s: float | None = None  # the P90 objective; None: the cold prefill of the slice's P90 prompt
+    reference: str = "tiered"  # whose knee sets the overload points (1.5x, 2x); hicache-file when tiered is absent
 
     def __post_init__(self) -> None:
         if self.systems != names.resolve("e2e", self.systems):
@@ -99,6 +104,10 @@ class E2EConfig:
             raise ValueError(f"repeats: {self.repeats} must be >= 1")
         if any(q <= 0 for q in self.qps) or any(t <= 0 for t in self.time_scale or ()):
             raise ValueError("qps / time_scale: every value must be > 0")
+        if self.ladder is not None and not (len(self.ladder) == 2 and 0 < self.ladder[0] <= self.ladder[1]):
+            raise ValueError(f"ladder: {self.ladder} must be START,STOP with 0 < START <= STOP")
+        if self.slo_ttft_s is not None and self.slo_ttft_s <= 0:
+            raise ValueError(f"slo_ttft: {self.slo_ttft_s} must be > 0 seconds")
         preset(self.model)
         EmulatorConfig(model=self.model, gpu=self.gpu, prefetch_policy=self.prefetch_policy)
 
@@ -232,7 +241,9 @@ def run(cfg: E2EConfig, out: str | Path, log: Callable[[str], None] = print) -> 
     reqs = slices.select(cfg.trace, cfg.offset, cfg.requests, cfg.window_s)
     trace = slices.write(reqs, out / "trace.jsonl")
     native = slices.native_qps(reqs)
-    if cfg.time_scale:
+    if cfg.ladder:
+        rates = capacity.rungs(*cfg.ladder)
+    elif cfg.time_scale:
         if native <= 0:
             raise ValueError("time_scale: the slice has no time span; give --qps instead")
         rates = tuple(round(native / t, 4) for t in cfg.time_scale)
@@ -261,12 +272,58 @@ def run(cfg: E2EConfig, out: str | Path, log: Callable[[str], None] = print) -> 
                    for p in points(cfg, rates)},
         "systems_run": {p.label: system_rules(point_config(emu, p)) for p in points(cfg, rates)},
     })  # fmt: skip
+    if cfg.ladder:
+        meta["load_ladder"] = ladder_meta(cfg, reqs, rates)
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    todo = points(cfg, rates)
     started = time.monotonic()
-    for i, point in enumerate(todo, 1):
-        log(f"[{i}/{len(todo)}] {point.label} at {point.qps:g} QPS, repeat {point.repeat + 1}/{cfg.repeats}, "
-            f"{len(reqs)} requests ({time.monotonic() - started:.0f}s elapsed)")  # fmt: skip
-        run_point(cfg, emu, trace, point, out, work)
+    if cfg.ladder:
+        climb(cfg, emu, trace, out, work, meta, log)
+    else:
+        todo = points(cfg, rates)
+        for i, point in enumerate(todo, 1):
+            log(f"[{i}/{len(todo)}] {point.label} at {point.qps:g} QPS, repeat {point.repeat + 1}/{cfg.repeats}, "
+                f"{len(reqs)} requests ({time.monotonic() - started:.0f}s elapsed)")  # fmt: skip
+            run_point(cfg, emu, trace, point, out, work)
     shutil.rmtree(work, ignore_errors=True)
     return R.write(out)
+
+
+def ladder_meta(cfg: E2EConfig, reqs: list[TraceRequest], rates: tuple[float, ...]) -> dict[str, Any]:
+    """The load sweep's rungs, systems (point labels), reference and objective, for the report."""
+    labels = tuple(dict.fromkeys(p.label for p in points(dataclasses.replace(cfg, repeats=1), rates[:1])))
+    reference = cfg.reference if cfg.reference in labels else "hicache-file" if "hicache-file" in labels else None
+    prompts = [r.input_length for r in reqs]
+    model = preset(cfg.model)
+    slo = cfg.slo_ttft_s or capacity.default_slo_s(prompts, lambda n: model.prefill_s(n, 0, cfg.gpu))
+    return {
+        "rates": list(rates), "systems": list(labels), "reference": reference, "slo_ttft_p90_s": slo,
+        "slo_rule": "given (--slo-ttft)" if cfg.slo_ttft_s else "cold prefill of the slice's P90 prompt",
+        "mean_prompt_tokens": sum(prompts) / len(prompts),
+    }  # fmt: skip
+
+
+def climb(cfg: E2EConfig, emu: EmulatorConfig, trace: Path, out: Path, work: Path, meta: dict[str, Any],
+          log: Callable[[str], None]) -> None:  # fmt: skip
+    """Run the load ladder: each round, every repeat of the points ``capacity.Ladder`` asks for (repeats
+    outermost), then label them from their records as the report will."""
+    lad = meta["load_ladder"]
+    ladder = capacity.Ladder(tuple(lad["rates"]), tuple(lad["systems"]), lad["reference"])
+    template = {p.label: p for p in points(dataclasses.replace(cfg, repeats=1), (lad["rates"][0],))}
+    labels: dict[tuple[str, float], str] = {}
+    started, n = time.monotonic(), 0
+    while todo := ladder.plan(labels):
+        for rep in range(cfg.repeats):
+            for label, q in todo:
+                n += 1
+                log(f"[ladder {n}] {label} at {q:g} QPS, repeat {rep + 1}/{cfg.repeats} "
+                    f"({time.monotonic() - started:.0f}s elapsed)")  # fmt: skip
+                run_point(cfg, emu, trace, dataclasses.replace(template[label], qps=q, repeat=rep), out, work)
+        systems = R.collect(out)["systems"]
+        for label, q in todo:
+            point = systems[label][f"{q:g}"]
+            labels[(label, q)] = R.point_label(point, lad["slo_ttft_p90_s"])
+            p90 = point["spread"]["ttft_p90_s"]
+            log(f"  {label} at {q:g} QPS: {labels[(label, q)]}, P90 TTFT {p90['median']:.3f} s "
+                f"({p90['min']:.3f}-{p90['max']:.3f}), hits {100 * point['delivered_hit_rate']:.1f}%")  # fmt: skip
+    meta["qps"] = sorted({q for _, q in labels})
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 from prometheus_client.parser import text_string_to_metric_families
 
-from flatcake.loadgen.report import plots
+from flatcake.loadgen.report import capacity, plots
 
 MEDIA = ("hbm", "dram", "ssd")
 
@@ -37,7 +37,8 @@ def summarize_run(records: list[dict[str, Any]]) -> dict[str, Any]:
 
     return {
         "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
-        "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0, "ttft_p50_s": pct(0.5), "ttft_p99_s": pct(0.99),
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0, "ttft_p50_s": pct(0.5), "ttft_p90_s": pct(0.9),
+        "ttft_p99_s": pct(0.99),
         "e2e_mean_s": statistics.fmean(r["e2e_s"] for r in ok) if ok else 0.0,
         "prompt_tokens": prompt, "cached_tokens": cached,
         "delivered_hit_rate": cached / prompt if prompt else 0.0,
@@ -48,21 +49,11 @@ def summarize_run(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def saturation(records: list[dict[str, Any]]) -> str | None:
-    """Why a run was past capacity, or None: requests failed, or the backlog left when the last
-    request arrived took more than half the arrival window to clear (work arrived faster than it was
-    done, so the queue was still growing). Such a point's numbers depend on how long it ran, so the
-    report flags them instead of printing them as if they were fine."""
-    if not records:
-        return None
-    failed = sum(1 for r in records if not r["ok"])
-    if failed:
-        return f"{failed} of {len(records)} requests failed"
-    ok = sorted(records, key=lambda r: r["sent"])
-    span = ok[-1]["sent"] - ok[0]["sent"]
-    drain = max(r["sent"] + r["ttft_s"] for r in ok) - ok[-1]["sent"]
-    if drain > max(1.0, 0.5 * span):
-        return f"backlog: last first token {drain:.1f} s after the last arrival (arrivals spanned {span:.1f} s)"
-    return None
+    """Why a run was past capacity, or None (``capacity.saturation``: requests failed, or the backlog
+    left at the last arrival outlasted a fifth of the arrival window). Such a point's numbers depend on
+    how long it ran, so the report flags them instead of printing them as if they were fine."""
+    ok = [r for r in records if r["ok"]]
+    return capacity.saturation([r["sent"] for r in ok], [r["sent"] + r["ttft_s"] for r in ok], len(records) - len(ok))
 
 
 def _counters(prom: Path, names: dict[str, str], label: str) -> dict[str, dict[str, float]] | None:
@@ -132,7 +123,14 @@ def agent_counters(prom: Path) -> dict[str, Any] | None:
     return out
 
 
-SPREAD_FIELDS = ("delivered_hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "throughput_tokens_per_s")
+SPREAD_FIELDS = (
+    "delivered_hit_rate",
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "throughput_tokens_per_s",
+)
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -195,11 +193,32 @@ def collect(runs_dir: str | Path) -> dict[str, Any]:
          "dram_hit_share": r["dram_hit_share"], "saturated": r["saturated"]}
         for name, runs in systems.items() for r in sorted(runs.values(), key=lambda r: r["qps"])
     ]  # fmt: skip
-    return {
+    out = {
         "meta": meta, "systems": systems, "summary": summary, "verdicts": verdicts(systems),
         "ideal_hit_rate": meta.get("ideal_hit_rate_pages"), "model": meta.get("model"),
         "calibration": _calibration(meta), "systems_run": meta.get("systems_run", {}),
     }  # fmt: skip
+    if meta.get("load_ladder"):
+        out["capacity"] = load_capacity(systems, meta)
+    return out
+
+
+def point_label(point: dict[str, Any], slo_s: float) -> str:
+    """A (system, rate) point over its repeats, as the load ladder reads it: the median repeat's P90 TTFT
+    against the objective; saturated if any repeat was."""
+    return capacity.label(point["spread"]["ttft_p90_s"]["median"], point["saturated"], slo_s)
+
+
+def load_capacity(systems: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """The ladder's verdict over the runs of a load sweep (``meta["load_ladder"]``: its rungs, systems,
+    reference and objective, as the bench climbed them)."""
+    lad = meta["load_ladder"]
+    slo = lad["slo_ttft_p90_s"]
+    ladder = capacity.Ladder(tuple(lad["rates"]), tuple(lad["systems"]), lad["reference"])
+    points = [{"system": name, **r, "label": point_label(r, slo), "saturation": "; ".join(r["saturation"]) or None,
+               "ttft_p90_s": r["spread"]["ttft_p90_s"]["median"]}
+              for name, runs in systems.items() if name in ladder.systems for r in runs.values()]  # fmt: skip
+    return capacity.analyse(points, ladder, slo, lad["mean_prompt_tokens"], meta.get("ideal_hit_rate_pages"))
 
 
 def _calibration(meta: dict[str, Any]) -> dict[str, Any] | None:
@@ -327,6 +346,9 @@ def write(runs_dir: str | Path, out_dir: str | Path | None = None, context: str 
     out = Path(out_dir or runs_dir)
     out.mkdir(parents=True, exist_ok=True)
     report["plots"] = plot(report, out)
+    if "capacity" in report:
+        report["capacity_table"] = capacity.format_table(report["capacity"])
+        report["plots"].append(Path(capacity.plot(report["capacity"], out / "capacity.png")).name)
     report["ideal_text"] = ideal_text(report["meta"])
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "report.md").write_text(_TEMPLATES.get_template("report.md.j2").render(**report))

@@ -15,6 +15,7 @@ import numpy as np
 from flatcake.errors import ConfigError
 from flatcake.loadgen import names
 from flatcake.loadgen.models import gpu_profile, preset
+from flatcake.loadgen.report import capacity
 from flatcake.loadgen.simulate import devices, workload
 from flatcake.loadgen.simulate.events import EventLoop
 from flatcake.loadgen.simulate.model import Cluster, Record, System
@@ -198,7 +199,9 @@ def summarize(
         "hit_share": {m: v * pt / tokens if tokens else 0.0 for m, v in hits.items()},
         "ttft_mean_s": float(ttft.mean()),
         "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p90_s": _pct(ttft, 90),
         "ttft_p99_s": _pct(ttft, 99),
+        "saturation": capacity.saturation([r.arrival for r in recs], [r.first_token for r in recs]),
         "throughput_tokens_per_s": (tokens + sum(r.output_tokens for r in recs)) / span_s if span_s > 0 else 0.0,
         "ssd_read_bytes": ssd_read,
         "ssd_read_commands": ssd_cmds,
@@ -268,14 +271,14 @@ def sweep(cfg: SimConfig, log: Callable[[str], None] | None = None, quiet: bool 
     if log is not None:
         log(f"simulated {len(results)} point(s) in {time.perf_counter() - t0:.1f} s")
     return {
-        "config": {**asdict(replace(cfg)), "cluster": _cluster_json(cfg)},
+        "config": {**asdict(replace(cfg)), "cluster": cluster_json(cfg)},
         "device_profile": asdict(devices.profile(cfg.device)),
         "model": preset(cfg.model).calibration(cfg.gpu),
         "results": results,
     }
 
 
-def _cluster_json(cfg: SimConfig) -> dict[str, Any]:
+def cluster_json(cfg: SimConfig) -> dict[str, Any]:
     c = cluster(cfg)
     return {
         "instances_per_node": c.instances_per_node, "ranks_per_instance": c.width,
