@@ -136,8 +136,15 @@ def _bench_serve(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _serve_calibration(Path(args.out))
     cfg = serve.QUICK if args.quick else serve.ServeConfig()
-    fields = ("qps", "requests", "trace", "layout", "repeats", "users", "device_tokens", "dram_bytes", "placement")
+    fields = ("qps", "requests", "trace", "layout", "repeats", "users", "device_tokens", "dram_bytes", "placement",
+              "gpu_ratio", "slo_ttft_s")  # fmt: skip
     given = {name: getattr(args, name) for name in fields if getattr(args, name)}
+    if args.sweep is not None:
+        if args.qps is not None:
+            raise ConfigError("--sweep chooses its own rates; leave out --qps")
+        given["ladder"] = tuple(args.sweep)
+    elif args.slo_ttft_s is not None:
+        raise ConfigError("--slo-ttft applies to --sweep only")
     bench = serve.ENGINES[args.engine]
     given["engine"] = args.engine
     default = serve.default_systems(args.engine)  # the emulated systems are opt-in
@@ -148,6 +155,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     report = serve.run(cfg, Path(args.out), log=lambda m: print(m, file=sys.stderr))
     print(serve.format_table(report))
+    if "capacity" in report:
+        from flatcake.loadgen.report import capacity
+
+        print(capacity.format_table(report["capacity"]))
     print(f"report: {Path(args.out) / 'serve.json'} (and serve.md, serve.png)", file=sys.stderr)
     return 0 if all(r["ran"] for r in report["systems"]) else 1
 
@@ -220,6 +231,24 @@ def add(sub: Subparsers) -> None:
     sv.add_argument("--calibrate", action="store_true",
                     help="instead: time cold prefills of the slice's model (and shapes with more KV per FLOP) "
                          "in vLLM; restore/prefill against Llama-3.1-70B TP4 on H200, 4 NVMe drives")  # fmt: skip
+    sv.add_argument("--gpu-ratio", dest="gpu_ratio", metavar="MODEL-GPU",
+                    help="the storage-bound testbed: run the calibrated model shape with every process's disk I/O "
+                         "throttled (block-I/O cgroup, on a loop disk under --out) so a restore costs what it does "
+                         "next to its prefill on MODEL-GPU, the calibration's reference (llama3-70b-tp4-h200); "
+                         "needs root")  # fmt: skip
+    sv.add_argument(
+        "--sweep",
+        type=_csv(float, "--sweep"),
+        metavar="START,STOP",
+        help="a load sweep: climb rates from START to STOP to each system's knee (see bench e2e --sweep)",
+    )
+    sv.add_argument(
+        "--slo-ttft",
+        type=float,
+        dest="slo_ttft_s",
+        metavar="S",
+        help="--sweep: the P90 TTFT objective (default: this CPU server's cold prefill of the P90 prompt)",
+    )
     sv.add_argument("--out", default="results/serve", help="where runs, serve.json, serve.md, serve.png go")
     sv.set_defaults(func=_bench_serve)
 

@@ -41,8 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 from flatcake.errors import ConfigError
 from flatcake.loadgen import names
+from flatcake.loadgen.bench import serve_calibration
 from flatcake.loadgen.replay.run import LoadgenConfig
 from flatcake.loadgen.replay.run import run as run_locust
+from flatcake.loadgen.report import capacity
+from flatcake.loadgen.serve import testbed
 from flatcake.loadgen.serve.model import make_model
 from flatcake.loadgen.serve.server import SGLangServer, cpu_seconds, server_python
 from flatcake.loadgen.traces.formats import write_trace
@@ -102,6 +105,12 @@ class ServeConfig:
     placement: str = "table2"  # FlatCake's placement.mode (table2, adaptive, copies)
     probe_tokens: int = 1024
     calibration: str = str(CALIBRATION)  # the emulated systems' prefill rate (bench serve --calibrate)
+    # The storage-bound testbed (loadgen/serve/testbed.py): the calibration's GPU reference, spelled
+    # MODEL-GPU (llama3-70b-tp4-h200), whose restore-to-prefill ratio the run reproduces with the
+    # calibrated model shape and the block-I/O throttle on the disk under every system's files.
+    gpu_ratio: str | None = None
+    ladder: tuple[float, float] | None = None  # a load sweep (capacity.rungs) instead of ``qps``
+    slo_ttft_s: float | None = None  # its P90 objective; None: this server's cold prefill of the P90 prompt
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -122,9 +131,34 @@ class ServeConfig:
             raise ValueError(f"device_tokens: {self.device_tokens} must be >= 1024")
         if self.dram_bytes < 1 << 20:
             raise ValueError(f"dram_bytes: {self.dram_bytes} must be >= 1 MiB")
+        if self.ladder is not None and not (len(self.ladder) == 2 and 0 < self.ladder[0] <= self.ladder[1]):
+            raise ValueError(f"ladder: {self.ladder} must be START,STOP with 0 < START <= STOP")
+        if self.slo_ttft_s is not None and self.slo_ttft_s <= 0:
+            raise ValueError(f"slo_ttft: {self.slo_ttft_s} must be > 0 seconds")
 
 
 QUICK = ServeConfig(qps=(0.5,), requests=16, repeats=1)
+TESTBED_SHAPE = "mha-small-mlp"  # the calibrated shape the testbed runs (serve_calibration.SHAPES)
+TESTBED_DISK_BYTES = 32 << 30  # the loop disk's size (sparse: only what the systems write takes space)
+
+
+def testbed_plan(cfg: ServeConfig) -> dict[str, Any] | None:
+    """The testbed's shape and read limit from the calibration, checked against ``gpu_ratio``; None without one."""
+    if cfg.gpu_ratio is None:
+        return None
+    cal = json.loads(Path(cfg.calibration).read_text())
+    ref = cal["reference"]["where"]  # "llama3-70b-tp4 on h200"
+    if cfg.gpu_ratio != ref.replace(" on ", "-"):
+        raise ConfigError(f"--gpu-ratio: {cfg.gpu_ratio!r} is not the calibration's reference ({ref}: give "
+                          f"{ref.replace(' on ', '-')}, or run bench serve --calibrate for another)")  # fmt: skip
+    plan = testbed.read_limit(cal, TESTBED_SHAPE)
+    plan["write_bytes_per_s"] = plan["read_bytes_per_s"]  # the same drive writes no faster than it reads here
+    plan["bias"] = ("DRAM copies and page-cache hits are not throttled, so systems keeping more in DRAM or the page "
+                    "cache (SGLang's host tier, vLLM's CPU tier) gain next to SSD reads; cgroup v1 does not throttle "
+                    "buffered writeback")  # fmt: skip
+    return plan
+
+
 SSD_FILE_PAGES, SSD_FILES = 64, 32  # FlatCake's SSD pool here: 32 files of 64 pages
 
 
@@ -286,6 +320,7 @@ def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Pat
                                           results=str(where / "results.jsonl"), api="sglang", max_output=cfg.max_output,
                                           vocab=vocab, users=16, margin_s=600.0))  # fmt: skip
             replay_s = time.monotonic() - started
+            throttled = testbed.verify_active()  # every process of the point under the testbed's limit
             # CPU the replay cost: the server (prefill and decode share these 2 cores with the backend's
             # own work in its threads) and the backend's processes.
             cpu_s = {"server": server.cpu_seconds() - cpu[0], "backend_processes": cpu_seconds(helpers) - cpu[1]}
@@ -302,7 +337,7 @@ def run_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Pat
     # SGLang reports a linker hit as host tokens (it lands in device slots; there is no host tier to mistake it for)
     hit = warm.cached_host if backend.server_args.get("linker_config") else warm.cached_storage or 0
     return {**summarize(system, qps, _records(where), replay_s, match, hit, pages),
-            "cpu_s": cpu_s}  # fmt: skip
+            "cpu_s": cpu_s, "throttled_processes": throttled}  # fmt: skip
 
 
 def run_vllm_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace: Path, where: Path,
@@ -342,6 +377,7 @@ def run_vllm_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace
                                           results=str(where / "results.jsonl"), api="openai", vocab=vocab,
                                           max_output=cfg.max_output, users=16, margin_s=600.0))  # fmt: skip
             replay_s = time.monotonic() - started
+            throttled = testbed.verify_active()
             cpu_s = {"server": server.cpu_seconds() - cpu[0], "backend_processes": cpu_seconds(helpers) - cpu[1]}
             if rc not in (0, 1):
                 raise RuntimeError(f"locust exited with {rc}")
@@ -361,7 +397,7 @@ def run_vllm_point(system: str, qps: float, cfg: ServeConfig, model: Path, trace
                          {"load": None, "save": None, "step_stall_s": None})  # fmt: skip
     match = warm.token_logprobs == cold.token_logprobs and warm.text == cold.text
     row = {**summarize(system, qps, _records(where), replay_s, match, probe_storage, pages, tiers), "cpu_s": cpu_s,
-           **connector}  # fmt: skip
+           "throttled_processes": throttled, **connector}  # fmt: skip
     if system in VLLM_OFFLOAD:
         row["vllm_tier_pages"] = tier_pages
     if "offload_dir" in backend.server_args:
@@ -398,6 +434,9 @@ def summarize(system: str, qps: float, records: list[dict[str, Any]], replay_s: 
         "system": system, "qps": qps, "ran": True, "why_not": "", "requests": len(records),
         "errors": len(records) - len(ok),
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+        "ttft_p90_s": capacity.percentile(ttfts, 90) if ttfts else None,
+        "saturation": capacity.saturation([r["sent"] for r in ok], [r["sent"] + r["ttft_s"] for r in ok],
+                                          len(records) - len(ok)),
         "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
         "prompt_tokens": prompt, "cached_tokens_by_tier": tiers,
         "storage_hit_share": tiers["storage"] / prompt if prompt else 0.0,
@@ -426,36 +465,129 @@ def run(cfg: ServeConfig, out: Path, log: Callable[[str], None] = print) -> dict
         raise RuntimeError(f"{exc}; {INSTALL}") from None
     if any(s in EMULATED for s in cfg.systems):  # a missing calibration stops the run before any point
         serve_emulated.calibrated_rates(Path(cfg.calibration))
+    plan = testbed_plan(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    model = make_model(out / "model")
+    shape = serve_calibration.SHAPES[TESTBED_SHAPE] if plan else {}
+    model = make_model(out / "model", kv_heads=shape.get("kv_heads", 2), intermediate=shape.get("intermediate"))
     trace = trace_for(cfg, out)
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
-    total = len(cfg.systems) * len(cfg.qps) * cfg.repeats
-    for rep in range(cfg.repeats):
-        for system in cfg.systems if rep % 2 == 0 else tuple(reversed(cfg.systems)):  # no system always first
-            for qps in cfg.qps:
-                where = out / system / f"qps-{qps:g}" / f"rep-{rep}"
-                shutil.rmtree(where, ignore_errors=True)
-                try:
-                    point = (serve_emulated.run_point if system in EMULATED else
-                             run_vllm_point if cfg.engine == "vllm" else run_point)  # fmt: skip
-                    row = point(system, qps, cfg, model, trace, where, log)
-                except Exception as exc:  # one backend that cannot run here is reported, not fatal
-                    log(f"  {system} at {qps:g} QPS did not run: {exc}")
-                    row = {"system": system, "qps": qps, "ran": False, "why_not": f"{type(exc).__name__}: {exc}"[:2000]}
-                rows.append({**row, "repeat": rep})
-                log(f"  done {len(rows)} of {total} points ({time.monotonic() - started:.0f} s)")
-    report = {"meta": {**dataclasses.asdict(cfg), "server_python": str(python) if python else None,
+    with contextlib.ExitStack() as stack:
+        disk = None
+        if plan is not None:
+            disk, _ = stack.enter_context(testbed.testbed(out / "testbed", TESTBED_DISK_BYTES, plan["read_bytes_per_s"],
+                                                          plan["write_bytes_per_s"]))  # fmt: skip
+            log(
+                f"storage-bound testbed: {plan['shape']} model, reads and writes capped at "
+                f"{plan['read_bytes_per_s'] / 1e6:.0f} MB/s ({plan['arithmetic']}) for every process of the run"
+            )
+
+        def one(system: str, qps: float, rep: int) -> None:
+            where = out / system / f"qps-{qps:g}" / f"rep-{rep}"
+            shutil.rmtree(where, ignore_errors=True)
+            # Under the testbed a point's storage lives on the throttled disk; its records come back here.
+            place = disk / system / f"qps-{qps:g}" / f"rep-{rep}" if disk is not None else where
+            try:
+                point = (serve_emulated.run_point if system in EMULATED else
+                         run_vllm_point if cfg.engine == "vllm" else run_point)  # fmt: skip
+                row = point(system, qps, cfg, model, trace, place, log)
+            except Exception as exc:  # one backend that cannot run here is reported, not fatal
+                log(f"  {system} at {qps:g} QPS did not run: {exc}")
+                row = {"system": system, "qps": qps, "ran": False, "why_not": f"{type(exc).__name__}: {exc}"[:2000]}
+            finally:
+                if place != where and place.exists():
+                    shutil.copytree(place, where, ignore=shutil.ignore_patterns(*STORAGE_DIRS), dirs_exist_ok=True)
+                    shutil.rmtree(place, ignore_errors=True)
+            rows.append({**row, "repeat": rep})
+            log(f"  done {len(rows)} points ({time.monotonic() - started:.0f} s)")
+
+        ladder = None
+        if cfg.ladder is not None:
+            ladder = climb(cfg, trace, one, rows, log)
+        else:
+            for rep in range(cfg.repeats):
+                for system in cfg.systems if rep % 2 == 0 else tuple(reversed(cfg.systems)):  # no system always first
+                    for qps in cfg.qps:
+                        one(system, qps, rep)
+    report: dict[str, Any] = {"meta": {**dataclasses.asdict(cfg), "server_python": str(python) if python else None,
                        "model": json.loads((model / "config.json").read_text()), "trace": str(trace),
-                       "seconds": time.monotonic() - started,
+                       "seconds": time.monotonic() - started, "testbed": plan,
                        "note": "CPU compute: absolute times are not a GPU's; the relative order is the point"},
               "runs": rows, "systems": summary(rows)}  # fmt: skip
+    if ladder is not None:
+        report["meta"]["load_ladder"] = ladder
+        report["capacity"] = ladder_capacity(report["systems"], ladder)
     (out / "serve.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "serve.md").write_text(format_table(report) + "\n")
     with contextlib.suppress(Exception):
         plot(report, out / "serve.png")
+    if ladder is not None:
+        report["capacity_plot"] = capacity.plot(report["capacity"], out / "capacity.png", title="bench serve")
     return report
+
+
+STORAGE_DIRS = ("node", "hicache", "mooncake", "vllm-fs")  # a point's storage, left on the testbed's disk
+
+
+def serve_slo_s(cfg: ServeConfig, trace: Path) -> tuple[float, str]:
+    """The default objective: this server's cold prefill of the slice's P90 prompt, from the calibration's
+    two cold prefills for the shape it runs (a line through them)."""
+    if cfg.slo_ttft_s is not None:
+        return cfg.slo_ttft_s, "given (--slo-ttft)"
+    cal = json.loads(Path(cfg.calibration).read_text())
+    shape = TESTBED_SHAPE if cfg.gpu_ratio else "slice"
+    row = next(r for r in cal["here"] if r["where"] == serve_calibration.where_here(shape))
+    (n0, t0), (n1, t1) = sorted((int(n), t) for n, t in row["ttft_s"].items())
+    prompts = [json.loads(line)["input_length"] for line in trace.read_text().splitlines() if line.strip()]
+    slo = capacity.default_slo_s(prompts, lambda n: t0 + (n - n0) * (t1 - t0) / (n1 - n0))
+    return slo, f"cold prefill of the slice's P90 prompt on this CPU ({shape} shape, from the calibration)"
+
+
+def climb(cfg: ServeConfig, trace: Path, one: Callable[[str, float, int], None], rows: list[dict[str, Any]],
+          log: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    """The load ladder over real servers: each round every repeat of the points ``capacity.Ladder`` asks
+    for (systems reversed every other repeat), then each labelled from its rows as the report will."""
+    slo, rule = serve_slo_s(cfg, trace)
+    reference = next((s for s in ("hicache-file", "vllm-offload-disk", "vllm") if s in cfg.systems), None)
+    ladder = capacity.Ladder(capacity.rungs(*cfg.ladder), cfg.systems, reference)  # type: ignore[misc]
+    labels: dict[tuple[str, float], str] = {}
+    while todo := ladder.plan(labels):
+        for rep in range(cfg.repeats):
+            for system, qps in todo if rep % 2 == 0 else list(reversed(todo)):
+                one(system, qps, rep)
+        for r in summary(rows):
+            key = (r["system"], r["qps"])
+            if key in todo:
+                labels[key] = point_label(r, slo)
+                log(f"  {key[0]} at {key[1]:g} QPS: {labels[key]} (P90 TTFT {r.get('ttft_p90_s') or 0:.3f} s)")
+    return {"slo_ttft_p90_s": slo, "slo_rule": rule, "rates": list(ladder.rates), "reference": reference,
+            "systems": list(cfg.systems), "labels": {f"{s}@{q:g}": v for (s, q), v in labels.items()}}  # fmt: skip
+
+
+def point_label(row: dict[str, Any], slo_s: float) -> str:
+    """A summary row as the ladder reads it: a point that did not run, or has no TTFT, counts as saturated."""
+    if not row["ran"] or row.get("ttft_p90_s") is None:
+        return capacity.SATURATED
+    return capacity.label(row["ttft_p90_s"], row.get("saturated", False), slo_s)
+
+
+def ladder_capacity(systems: list[dict[str, Any]], lad: dict[str, Any]) -> dict[str, Any]:
+    ladder = capacity.Ladder(tuple(lad["rates"]), tuple(lad["systems"]), lad["reference"])
+    points = []
+    for r in systems:
+        if r["system"] not in ladder.systems:
+            continue
+        points.append({**r, "label": point_label(r, lad["slo_ttft_p90_s"]),
+                       "saturation": "; ".join(r.get("saturation") or []) or (None if r["ran"] else r["why_not"]),
+                       "ttft_p50_s": None, "delivered_hit_rate": r.get("storage_hit_share")})  # fmt: skip
+    rows = [r for r in systems if r["ran"]]
+    mean_prompt = (
+        statistics.fmean(r["prompt_tokens"] / r["requests"] for r in rows if r.get("requests")) if rows else 0.0
+    )
+    out = capacity.analyse(points, ladder, lad["slo_ttft_p90_s"], mean_prompt)
+    out["slo_rule"] = lad["slo_rule"]
+    out["hit_field"] = "delivered_hit_rate here is the share of prompt tokens served from storage (L3)"
+    return out
 
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -469,9 +601,10 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"system": key[0], "qps": key[1], "ran": False, "why_not": runs[0]["why_not"]})
             continue
         row: dict[str, Any] = {"system": key[0], "qps": key[1], "ran": True, "why_not": "", "repeats": len(ran)}
-        for field in ("ttft_mean_s", "ttft_p99_s", "storage_hit_share", "throughput_tokens_per_s",
-                      "probe_from_storage_tokens", "dram_hits", "ssd_hits", "errors", "step_stall_s",
-                      "disk_bytes", "flatcake_ssd_pool_bytes"):  # fmt: skip
+        for field in ("ttft_mean_s", "ttft_p90_s", "ttft_p99_s", "storage_hit_share", "throttled_processes",
+                      "throughput_tokens_per_s", "probe_from_storage_tokens", "dram_hits", "ssd_hits", "errors",
+                      "step_stall_s", "disk_bytes", "flatcake_ssd_pool_bytes", "prompt_tokens",
+                      "requests"):  # fmt: skip
             values = [r[field] for r in ran if r.get(field) is not None]
             if values:
                 row[field] = statistics.median(values)
@@ -483,6 +616,8 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row[field] = ran[0][field]
         if all("cpu_s" in r for r in ran):
             row["cpu_s"] = {k: statistics.median(r["cpu_s"][k] for r in ran) for k in ran[0]["cpu_s"]}
+        reasons = [r["saturation"] for r in ran if r.get("saturation")]
+        row["saturated"], row["saturation"] = bool(reasons), reasons
         means = sorted(r["ttft_mean_s"] for r in ran if r["ttft_mean_s"] is not None)
         row["ttft_mean_spread_s"] = {"min": means[0], "median": statistics.median(means), "max": means[-1]}
         row["cached_tokens_by_tier"] = {t: int(statistics.median(r["cached_tokens_by_tier"][t] for r in ran))

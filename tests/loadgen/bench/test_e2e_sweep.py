@@ -68,3 +68,40 @@ def test_the_default_objective_comes_from_the_model_and_the_slice() -> None:
     assert lad["slo_ttft_p90_s"] >= cold_p90 * 0.9 and lad["slo_rule"].startswith("cold prefill")
     with pytest.raises(ValueError, match="ladder"):
         e2e.E2EConfig(ladder=(4.0, 1.0))
+
+
+def test_bench_serve_climbs_its_ladder_over_the_rows_its_points_write(tmp_path: Path) -> None:
+    from flatcake.loadgen.bench import serve
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048, "output_length": 4,
+                                         "hash_ids": [i]}) + "\n" for i in range(20)))  # fmt: skip
+    service = {"hicache-file": 0.5, "flatcake": 0.25}  # capacities 2/s and 4/s
+    rows: list[dict[str, Any]] = []
+
+    def one(system: str, qps: float, rep: int) -> None:
+        free, records = 0.0, []
+        for i in range(40):
+            sent = i / qps
+            free = max(sent, free) + service[system]
+            records.append({"ok": True, "sent": sent, "ttft_s": free - sent, "prompt_tokens": 2048,
+                            "output_tokens": 4, "hit_tokens": {"storage": 1024}})  # fmt: skip
+        rows.append({**serve.summarize(system, qps, records, 40 / qps, True, 0, None), "repeat": rep})
+
+    cfg = serve.ServeConfig(systems=("flatcake", "hicache-file"), ladder=(0.5, 8.0), slo_ttft_s=1.0, repeats=2)
+    lad = serve.climb(cfg, trace, one, rows, lambda _: None)
+    cap = serve.ladder_capacity(serve.summary(rows), lad)
+    assert lad["reference"] == "hicache-file"
+    assert cap["systems"]["hicache-file"]["knee_qps"] == 2.0 and cap["systems"]["flatcake"]["knee_qps"] == 4.0
+    assert cap["vs_reference"]["flatcake"]["goodput"] == 2.0
+    assert {r["repeat"] for r in rows} == {0, 1}
+
+
+def test_bench_serve_refuses_a_gpu_ratio_the_calibration_does_not_hold() -> None:
+    from flatcake.errors import ConfigError
+    from flatcake.loadgen.bench import serve
+
+    with pytest.raises(ConfigError, match="llama3-70b-tp4-h200"):
+        serve.testbed_plan(serve.ServeConfig(gpu_ratio="llama3-70b-tp4-a100"))
+    plan = serve.testbed_plan(serve.ServeConfig(gpu_ratio="llama3-70b-tp4-h200"))
+    assert plan is not None and plan["shape"] == "mha-small-mlp" and 1e8 < plan["read_bytes_per_s"] < 1e9

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.unit
 
 
 def _record(i: int) -> dict[str, object]:
-    return {"ok": True, "ttft_s": 0.1 + i / 100, "prompt_tokens": 1000, "output_tokens": 8,
+    return {"ok": True, "sent": float(i), "ttft_s": 0.1 + i / 100, "prompt_tokens": 1000, "output_tokens": 8,
             "hit_tokens": {"device": 500, "host": 0, "storage": 100}}  # fmt: skip
 
 
