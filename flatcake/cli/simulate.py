@@ -34,7 +34,7 @@ def _simulate(args: argparse.Namespace) -> int:
     sizes = {"dram_bytes": ("--dram", args.dram), "ssd_bytes": ("--ssd", args.ssd), "hbm_bytes": ("--hbm", args.hbm)}
     given: dict[str, object] = {k: sim.parse_size(text, flag) for k, (flag, text) in sizes.items() if text is not None}
     fields = ("trace", "limit", "nodes", "gpus_per_node", "model", "gpu", "qps", "systems", "device", "scheduler",
-              "prefetch_policy", "workers", "cross_node_gbps", "storage_dram_share")  # fmt: skip
+              "prefetch_policy", "workers", "cross_node_gbps", "storage_dram_share", "wait_rule")  # fmt: skip
     given.update({n: getattr(args, n) for n in fields if getattr(args, n) is not None})
     if "systems" in given:
         given["systems"] = names.resolve("simulate", args.systems, "--systems")
@@ -123,6 +123,9 @@ def add(sub: Subparsers) -> None:
     simp.add_argument(
         "--placement", choices=PLACEMENT_MODES, help="FlatCake's placement.mode: table2 (default), adaptive, copies"
     )
+    simp.add_argument("--wait-rule", dest="wait_rule", choices=("cost", "always"),
+                      help="flatcake-native: cost (default) waits for an SSD load only where computing the tokens "
+                           "would take longer; always waits for every load, as the paper's FC-MAS")  # fmt: skip
     simp.add_argument("--prefetch-policy", dest="prefetch_policy", help="tiered: timeout (default), best_effort, ...")
     simp.add_argument("--workers", type=int, help="processes for the sweep's points (default 2)")
     simp.add_argument("--storage-dram-share", type=float, dest="storage_dram_share",

@@ -55,6 +55,7 @@ class Cluster:
     cross_node_bytes_per_s: float = 0.0
     cross_node_latency_s: float = 20e-6  # per transfer: the lookup and lease round trips, the first byte
     storage_dram_share: float = 0.5  # flatcake (shipped): FlatCake's pool's share of DRAM, the rest SGLang's host tier
+    wait_rule: str = "cost"  # flatcake-native: wait for a load only where computing would cost more (policy.offer)
 
     @property
     def page_span(self) -> int:
@@ -102,7 +103,9 @@ class Job:
     lookup_at: int | None = None  # tiered: the scheduling pass that asks storage again
     declined: int = 0
     io_pos: int = 0
+    est_prefill_s: float = 0.0  # flatcake-native: its prefill as expected at arrival (the GPU's queued work)
     l3_dram: set[int] = field(default_factory=set)  # flatcake: prefetched pages its L3 served from DRAM
+    ssd_declined: bool = False  # flatcake-native: its SSD pages declined at arrival (computing beat waiting)
 
 
 class Instance:
@@ -115,6 +118,9 @@ class Instance:
         self.sched = Scheduler(c.scheduler)
         self.jobs: dict[str, Job] = {}
         self.active_prefetches = 0
+        self.busy_until = 0.0  # when the running prefill ends
+        self.preparing_bytes = 0  # flatcake-native: SSD bytes of requests whose prefetch has not started
+        self.queued_work_s = 0.0  # flatcake-native: expected prefill seconds of the requests waiting here
         # tiered
         self.l2: OrderedDict[int, None] = OrderedDict()
         self.waiting: list[Job] = []
@@ -203,7 +209,7 @@ class System:
             dram = even_arrivals(now, job.inst.h2d.submit(now, host_pages * c.page_span, 1), c.layers)
         compute = c.prefill_s(job.req.input_tokens - cached_tokens, cached_tokens)
         end = prefill_end(now, latest(ssd, dram), c.layers, compute)
-        job.inst.busy = True
+        job.inst.busy, job.inst.busy_until = True, end
         self.loop.at(end, self._prefill_done, job, cached)
 
     def _prefill_done(self, job: Job, cached: int) -> None:

@@ -16,6 +16,7 @@ from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.node_agent import ChainSignals, Hints
 from flatcake.node_agent.catalog.interface import Lease
 from flatcake.node_agent.catalog.local import LocalCatalog
+from flatcake.node_agent.policy import offer
 from flatcake.node_agent.policy.coalesce import plan_restore
 from flatcake.node_agent.policy.gva import SSD_THRESHOLD, Medium
 from flatcake.node_agent.policy.scheduler import Request
@@ -62,15 +63,42 @@ class FlatCake(System):
                 if loc.gva >= SSD_THRESHOLD:
                     job.ssd_keys.append(key)
                     job.ssd_locs.append(loc)
-        if self.nics and n < len(rest):
+        if job.ssd_keys and self.c.wait_rule != "always":
+            self._offer(job, lease.locations, h, n)
+        if self.nics and n < len(rest) and not job.ssd_declined:
             self._find_remote(job, inst.node, rest[n:])
         # FC-MAS: a request waits on its slowest medium; another node's pages count as the SSD's do.
         slow = (len(job.ssd_keys) + len(job.remote)) * self.c.page_span
         r = Request(str(req.index), now, ssd_bytes=slow)
+        inst.preparing_bytes += slow
+        inst.queued_work_s += job.est_prefill_s
         inst.jobs[r.id] = job
         inst.sched.arrive(r)
         self._pump_prefetch(inst)
         self.dispatch(inst)
+
+    def _offer(self, job: Job, locations: list[Location], hbm: int, stored: int) -> None:
+        """Wait for the SSD pages, or decline them and compute (``policy.offer``): their expected landing
+        (the device's backlog, the prefetches this instance has queued, their read) against when the GPU
+        could start the request anyway (what runs and waits ahead) plus computing them. Declined, the
+        prefix ends at its first SSD page; HBM and DRAM pages before it still count."""
+        c, now, inst = self.c, self.loop.now, job.inst
+        first = next(i for i, loc in enumerate(locations) if loc.gva >= SSD_THRESHOLD)
+        dev = self.ssd[inst.node]
+        own = len(job.ssd_keys) * c.page_span
+        ready = offer.read_s(dev.free_at - now, inst.preparing_bytes, own, dev.bytes_per_s, c.layers * dev.command_s)
+        gpu = max(0.0, inst.busy_until - now) + inst.queued_work_s
+        tokens, pt = job.req.input_tokens, c.page_tokens
+        keep, full = min((hbm + first) * pt, tokens), min((hbm + stored) * pt, tokens)
+        loaded = c.prefill_s(tokens - full, full)
+        choice = offer.decide(ready, gpu, c.prefill_s(tokens - keep, keep) - loaded, c.wait_rule)
+        job.est_prefill_s = loaded if choice.load else c.prefill_s(tokens - keep, keep)
+        if choice.load:
+            return
+        job.ssd_declined = True
+        job.rec.declined_pages += stored - first
+        job.ssd_keys.clear()
+        job.ssd_locs.clear()
 
     def _find_remote(self, job: Job, node: int, keys: tuple[int, ...] | list[int]) -> None:
         """Where this node's stored prefix ends, the longest continuation another node's catalog holds, as
@@ -117,6 +145,7 @@ class FlatCake(System):
             if r is None:
                 return
             job = inst.jobs[r.id]
+            inst.preparing_bytes -= (len(job.ssd_keys) + len(job.remote)) * c.page_span
             job.staged = (len(job.ssd_keys) + len(job.remote)) * c.page_tokens
             inst.staging_tokens += job.staged
             local = self._read(inst.node, job.ssd_locs) if job.ssd_locs else now
@@ -156,6 +185,7 @@ class FlatCake(System):
         if r is None:
             return
         job = inst.jobs.pop(r.id)
+        inst.queued_work_s -= job.est_prefill_s
         self._unstage(job)
         self._pump_prefetch(inst)  # staging freed
         keys, rec = job.req.keys, job.rec
@@ -165,6 +195,7 @@ class FlatCake(System):
         # read now while the GPU waits: evicted since arrival, or stored meanwhile), then HBM again, ...
         cached = dram = staged = 0
         late: list[Location] = []
+        cut: tuple[int, dict[str, int], int, int] | None = None  # where the first late SSD page sits, and the counts
         while True:
             n, s = self._resident(job, cached)
             cached += n
@@ -174,17 +205,40 @@ class FlatCake(System):
                 break
             lease = catalog.acquire(keys[cached : cached + n], copy=True)
             job.leases.append(lease)
-            for loc in lease.locations:
+            for i, loc in enumerate(lease.locations):
                 if loc.gva < SSD_THRESHOLD:
                     dram += 1
+                elif job.ssd_declined:  # computing beat waiting for these at arrival: the prefix ends here
+                    n = i
+                    break
                 else:
+                    if cut is None:
+                        cut = (cached + i, dict(rec.hit), dram, staged)
                     late.append(loc)
             cached += n
+            if job.ssd_declined and n < len(lease.locations):
+                break
+        if late and cut is not None and not self._worth_reading_late(job, late, cut[0], cached):
+            cached, rec.hit, dram, staged = cut  # computed instead: the prefix ends at the first late page
+            rec.declined_pages += len(late)
+            late = []
         rec.hit["dram"] += dram
         rec.hit["ssd"] += len(late)
         ready = self._read(inst.node, late) if late else None
         self.useful_ssd_bytes += rec.hit["ssd"] * self.c.page_span
         self._finish_prefill(job, cached, dram + staged, ready)
+
+    def _worth_reading_late(self, job: Job, late: list[Location], first: int, cached: int) -> bool:
+        """SSD pages found only at dispatch (stored after arrival, or evicted from HBM since) are read while
+        the GPU waits for them (it is this request's now): worth it only where the read lands sooner than
+        computing them would take (``policy.offer``, no GPU queue ahead)."""
+        c, dev = self.c, self.ssd[job.inst.node]
+        ready = offer.read_s(dev.free_at - self.loop.now, 0, len(late) * c.page_span, dev.bytes_per_s,
+                             c.layers * dev.command_s)  # fmt: skip
+        tokens, pt = job.req.input_tokens, c.page_tokens
+        keep, full = min(first * pt, tokens), min(cached * pt, tokens)
+        extra = c.prefill_s(tokens - keep, keep) - c.prefill_s(tokens - full, full)
+        return offer.decide(ready, 0.0, extra, c.wait_rule).load
 
     def store(self, job: Job, cached: int) -> None:
         inst, req = job.inst, job.req

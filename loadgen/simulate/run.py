@@ -24,6 +24,7 @@ from flatcake.loadgen.systems import hicache_rules as hicache
 from flatcake.loadgen.traces.formats import BUNDLED_TRACE
 from flatcake.node_agent import PlacementConfig
 from flatcake.node_agent.constants import SCHEDULER_POLICIES
+from flatcake.node_agent.policy.offer import WAIT_RULES
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
@@ -71,6 +72,7 @@ class SimConfig:
     streams: int = 4
     cross_node_gbps: float = 0.0  # FlatCake's reads from other nodes: each node's NIC, Gb/s; 0: off
     storage_dram_share: float = 0.5  # flatcake (shipped): FlatCake's pool's share of DRAM (the emulator's too)
+    wait_rule: str = "cost"  # flatcake-native: "cost" waits for a load only where computing costs more; "always"
     samples: int = 100  # occupancy samples per point
     workers: int = 2  # processes for a sweep
 
@@ -91,6 +93,8 @@ class SimConfig:
         if not 0 <= self.storage_dram_share < 1:
             raise ConfigError(f"--storage-dram-share: {self.storage_dram_share} must be in [0, 1): SGLang's host "
                               "tier keeps the rest, and it needs some to prefetch into")  # fmt: skip
+        if self.wait_rule not in WAIT_RULES:
+            raise ConfigError(f"--wait-rule: {self.wait_rule!r} must be one of {', '.join(WAIT_RULES)}")
         if self.cross_node_gbps < 0:
             raise ConfigError(f"--cross-node-gbps: {self.cross_node_gbps} must be >= 0 (0: no reads across nodes)")
         if self.device_ranks is not None and self.device_ranks < 1:
@@ -129,7 +133,7 @@ def cluster(cfg: SimConfig) -> Cluster:
         scheduler=cfg.scheduler, gap_bytes=cfg.gap_bytes, staging_slot_bytes=cfg.staging_slot_bytes,
         streams=cfg.streams, prefetch_policy=cfg.prefetch_policy, scope_file_bytes=cfg.scope_file_bytes,
         device_ranks=cfg.device_ranks or width, cross_node_bytes_per_s=cfg.cross_node_gbps * 1e9 / 8,
-        storage_dram_share=cfg.storage_dram_share,
+        storage_dram_share=cfg.storage_dram_share, wait_rule=cfg.wait_rule,
     )  # fmt: skip
 
 

@@ -71,7 +71,7 @@ def test_the_default_objective_comes_from_the_model_and_the_slice() -> None:
 
 
 def test_bench_serve_climbs_its_ladder_over_the_rows_its_points_write(tmp_path: Path) -> None:
-    from flatcake.loadgen.bench import serve
+    from flatcake.loadgen.bench import serve, serve_capacity
 
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048, "output_length": 4,
@@ -89,8 +89,8 @@ def test_bench_serve_climbs_its_ladder_over_the_rows_its_points_write(tmp_path: 
         rows.append({**serve.summarize(system, qps, records, 40 / qps, True, 0, None), "repeat": rep})
 
     cfg = serve.ServeConfig(systems=("flatcake", "hicache-file"), ladder=(0.5, 8.0), slo_ttft_s=1.0, repeats=2)
-    lad = serve.climb(cfg, trace, one, rows, lambda _: None)
-    cap = serve.ladder_capacity(serve.summary(rows), lad)
+    lad = serve_capacity.climb(cfg, trace, one, rows, serve.summary, lambda _: None)
+    cap = serve_capacity.ladder_capacity(serve.summary(rows), lad)
     assert lad["reference"] == "hicache-file"
     assert cap["systems"]["hicache-file"]["knee_qps"] == 2.0 and cap["systems"]["flatcake"]["knee_qps"] == 4.0
     assert cap["vs_reference"]["flatcake"]["goodput"] == 2.0
@@ -99,9 +99,9 @@ def test_bench_serve_climbs_its_ladder_over_the_rows_its_points_write(tmp_path: 
 
 def test_bench_serve_refuses_a_gpu_ratio_the_calibration_does_not_hold() -> None:
     from flatcake.errors import ConfigError
-    from flatcake.loadgen.bench import serve
+    from flatcake.loadgen.bench import serve, serve_capacity
 
     with pytest.raises(ConfigError, match="llama3-70b-tp4-h200"):
-        serve.testbed_plan(serve.ServeConfig(gpu_ratio="llama3-70b-tp4-a100"))
-    plan = serve.testbed_plan(serve.ServeConfig(gpu_ratio="llama3-70b-tp4-h200"))
+        serve_capacity.testbed_plan(serve.ServeConfig(gpu_ratio="llama3-70b-tp4-a100"))
+    plan = serve_capacity.testbed_plan(serve.ServeConfig(gpu_ratio="llama3-70b-tp4-h200"))
     assert plan is not None and plan["shape"] == "mha-small-mlp" and 1e8 < plan["read_bytes_per_s"] < 1e9

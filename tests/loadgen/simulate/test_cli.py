@@ -54,4 +54,4 @@ def test_the_sweep_flag_offers_every_sweep() -> None:
 
     simulate = build_parser()._subparsers._group_actions[0].choices["simulate"]  # type: ignore[union-attr]
     (flag,) = [a for a in simulate._actions if a.dest == "sweep"]
-    assert list(flag.choices or ()) == list(SWEEPS)
+    assert list(flag.choices or ()) == ["load", *SWEEPS]  # load: the ladder of loadgen/simulate/load.py

@@ -280,3 +280,22 @@ def test_flatcake_as_it_ships_runs_sglangs_rules_over_the_agents_catalog(tmp_pat
     assert shipped["ssd_read_commands"] and shipped["read_commands_per_page"] < tiered["read_commands_per_page"]
     native, _ = simulate(cfg, "flatcake-native", 1.0)
     assert shipped["delivered_hit_rate"] <= native["delivered_hit_rate"] + 1e-9  # SGLang's rules bind it
+
+
+def test_native_declines_ssd_loads_that_cost_more_than_computing(tmp_path: Path) -> None:
+    """On a slow device, waiting for a session's SSD history costs more than computing it: the cost rule
+    (policy.offer) declines those loads and TTFT falls below the paper's always-wait; on a fast one it
+    declines nothing."""
+    from flatcake.loadgen.simulate.devices import PROFILES
+
+    trace = sessions_trace(tmp_path / "t.jsonl", sessions=8, turns=4, blocks_per_turn=64)
+    slow = dataclasses.replace(PROFILES["this-vm"], name="slow", read_bytes_per_s=2e8)
+    runs = {}
+    for rule in ("always", "cost"):
+        cfg = small(trace, hbm_bytes=64 * MiB, dram_bytes=4 * GiB, device=slow, wait_rule=rule)
+        runs[rule], _ = simulate(cfg, "flatcake-native", 4.0)
+    assert runs["always"]["declined_tokens"] == 0
+    assert runs["cost"]["declined_tokens"] > 0
+    assert runs["cost"]["ttft_mean_s"] < runs["always"]["ttft_mean_s"]
+    fast, _ = simulate(small(trace, hbm_bytes=64 * MiB, dram_bytes=4 * GiB), "flatcake-native", 4.0)
+    assert fast["declined_tokens"] == 0 and fast["hit_share"]["ssd"] > 0
