@@ -36,7 +36,9 @@ REGISTRY: tuple[SystemName, ...] = (
     SystemName("flatcake-native", "the paper's engine-integrated FlatCake, a what-if until an engine ships it: "
                "FC-MAS queues, prefetches that wait instead of declining, late pages restored at dispatch and "
                "streamed layer by layer into the prefill (e2e: the emulator as the agent's client; simulate: the "
-               "agent's catalog and scheduler)", ("e2e", "simulate")),
+               "agent's catalog and scheduler, and a load is waited for only where computing its tokens would "
+               "take longer, policy/offer.py; --wait-rule always waits for every one, as the paper)",
+               ("e2e", "simulate")),
     SystemName("flatcake-linker", "FlatCake as SGLang 0.5.23's unified-cache external linker (FlatCakeLinker, no "
                "SGLang host tier): restores streamed layer by layer into the device slots under the forward, the "
                "request id known (serve: inside a real SGLang server)", ("serve",)),

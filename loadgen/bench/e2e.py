@@ -45,6 +45,7 @@ SYSTEMS = names.names("e2e")
 EMULATE = {"hicache-file": ("tiered", "hicache-file"), "hicache-mooncake": ("tiered", "hicache-mooncake"),
            "recompute": ("none", "log")}  # fmt: skip
 FLATCAKES = emulated.FLATCAKES  # the systems with a node agent underneath
+LADDER_RESOLUTION = 1.12  # a load sweep bisects each knee once between its 25%-apart rungs
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,7 @@ def ladder_meta(cfg: E2EConfig, reqs: list[TraceRequest], rates: tuple[float, ..
     return {
         "rates": list(rates), "systems": list(labels), "reference": reference, "slo_ttft_p90_s": slo,
         "slo_rule": "given (--slo-ttft)" if cfg.slo_ttft_s else "cold prefill of the slice's P90 prompt",
-        "mean_prompt_tokens": sum(prompts) / len(prompts),
+        "mean_prompt_tokens": sum(prompts) / len(prompts), "resolution": LADDER_RESOLUTION,
     }  # fmt: skip
 
 
@@ -307,7 +308,7 @@ def climb(cfg: E2EConfig, emu: EmulatorConfig, trace: Path, out: Path, work: Pat
     """Run the load ladder: each round, every repeat of the points ``capacity.Ladder`` asks for (repeats
     outermost), then label them from their records as the report will."""
     lad = meta["load_ladder"]
-    ladder = capacity.Ladder(tuple(lad["rates"]), tuple(lad["systems"]), lad["reference"])
+    ladder = capacity.Ladder(tuple(lad["rates"]), tuple(lad["systems"]), lad["reference"], resolution=lad["resolution"])
     template = {p.label: p for p in points(dataclasses.replace(cfg, repeats=1), (lad["rates"][0],))}
     labels: dict[tuple[str, float], str] = {}
     started, n = time.monotonic(), 0

@@ -17,6 +17,7 @@ from flatcake.loadgen.serve import testbed
 if TYPE_CHECKING:
     from flatcake.loadgen.bench.serve import ServeConfig
 
+RESOLUTION = 1.12  # one bisection between 25%-apart rungs: real-server points take minutes
 TESTBED_SHAPE = "mha-small-mlp"  # the calibrated shape the testbed runs (serve_calibration.SHAPES)
 
 
@@ -58,7 +59,12 @@ def climb(cfg: ServeConfig, trace: Path, one: Callable[[str, float, int], None],
     for (systems reversed every other repeat), then each labelled from its rows as the report will."""
     slo, rule = serve_slo_s(cfg, trace)
     reference = next((s for s in ("hicache-file", "vllm-offload-disk", "vllm") if s in cfg.systems), None)
-    ladder = capacity.Ladder(capacity.rungs(*cfg.ladder), cfg.systems, reference)  # type: ignore[misc]
+    ladder = capacity.Ladder(
+        capacity.rungs(*cfg.ladder),
+        cfg.systems,
+        reference,  # type: ignore[misc]
+        resolution=RESOLUTION,
+    )
     labels: dict[tuple[str, float], str] = {}
     while todo := ladder.plan(labels):
         for rep in range(cfg.repeats):
@@ -70,7 +76,8 @@ def climb(cfg: ServeConfig, trace: Path, one: Callable[[str, float, int], None],
                 labels[key] = point_label(r, slo)
                 log(f"  {key[0]} at {key[1]:g} QPS: {labels[key]} (P90 TTFT {r.get('ttft_p90_s') or 0:.3f} s)")
     return {"slo_ttft_p90_s": slo, "slo_rule": rule, "rates": list(ladder.rates), "reference": reference,
-            "systems": list(cfg.systems), "labels": {f"{s}@{q:g}": v for (s, q), v in labels.items()}}  # fmt: skip
+            "systems": list(cfg.systems), "resolution": RESOLUTION,
+            "labels": {f"{s}@{q:g}": v for (s, q), v in labels.items()}}  # fmt: skip
 
 
 def point_label(row: dict[str, Any], slo_s: float) -> str:
@@ -81,7 +88,9 @@ def point_label(row: dict[str, Any], slo_s: float) -> str:
 
 
 def ladder_capacity(systems: list[dict[str, Any]], lad: dict[str, Any]) -> dict[str, Any]:
-    ladder = capacity.Ladder(tuple(lad["rates"]), tuple(lad["systems"]), lad["reference"])
+    ladder = capacity.Ladder(
+        tuple(lad["rates"]), tuple(lad["systems"]), lad["reference"], resolution=lad.get("resolution")
+    )
     points = []
     for r in systems:
         if r["system"] not in ladder.systems:

@@ -214,7 +214,9 @@ def load_capacity(systems: dict[str, dict[str, Any]], meta: dict[str, Any]) -> d
     reference and objective, as the bench climbed them)."""
     lad = meta["load_ladder"]
     slo = lad["slo_ttft_p90_s"]
-    ladder = capacity.Ladder(tuple(lad["rates"]), tuple(lad["systems"]), lad["reference"])
+    ladder = capacity.Ladder(
+        tuple(lad["rates"]), tuple(lad["systems"]), lad["reference"], resolution=lad.get("resolution")
+    )
     points = [{"system": name, **r, "label": point_label(r, slo), "saturation": "; ".join(r["saturation"]) or None,
                "ttft_p90_s": r["spread"]["ttft_p90_s"]["median"]}
               for name, runs in systems.items() if name in ladder.systems for r in runs.values()]  # fmt: skip

@@ -96,6 +96,10 @@ class Ladder:
     reference: str | None = "tiered"
     past_knee: int = 1
     overload: tuple[float, ...] = OVERLOAD
+    # Bisect between a knee and its first failure (geometric midpoints, three significant figures) until
+    # they are at most this ratio apart; None: the rungs alone. The overload points wait for the
+    # reference's knee to be resolved.
+    resolution: float | None = None
 
     def __post_init__(self) -> None:
         if not self.rates or list(self.rates) != sorted(set(self.rates)) or self.rates[0] <= 0:
@@ -104,6 +108,8 @@ class Ladder:
             raise ValueError("ladder: no systems")
         if self.past_knee < 0:
             raise ValueError(f"ladder past_knee: {self.past_knee} must be >= 0")
+        if self.resolution is not None and self.resolution <= 1:
+            raise ValueError(f"ladder resolution: {self.resolution} must be a ratio > 1")
 
     def plan(self, labels: Mapping[tuple[str, float], str]) -> list[tuple[str, float]]:
         """The (system, rate) points still to run; empty once the ladder is done."""
@@ -120,25 +126,38 @@ class Ladder:
                     failed_at = i
                 if failed_at is not None and i >= failed_at + self.past_knee:
                     break
+            mid = self._midpoint(s, labels)
+            if mid is not None and (s, mid) not in todo:
+                todo.append((s, mid))
         ref = self.knee_of(self.reference, labels) if self.reference in self.systems else None
-        if ref is not None:
+        if ref is not None and self._midpoint(self.reference, labels) is None:
             for m in self.overload:
                 rate = round(m * ref, 6)
                 todo += [(s, rate) for s in self.systems if (s, rate) not in labels and (s, rate) not in todo]
         return sorted(todo, key=lambda p: (p[1], self.systems.index(p[0])))
 
-    def knee_of(self, system: str | None, labels: Mapping[tuple[str, float], str]) -> float | None:
-        """The highest rung below ``system``'s first failure, once that failure is known (None before,
-        and when it fails on the first rung)."""
+    def bracket(self, system: str | None, labels: Mapping[tuple[str, float], str]) -> tuple[float | None, float | None]:
+        """(the highest passing rate below ``system``'s first failure, that failure), over every rate it ran:
+        rungs, midpoints and overload points alike. (None, None) before any failure is known."""
         knee = None
-        for r in self.rates:
-            got = labels.get((system, r)) if system is not None else None
-            if got is None:
-                return None
-            if got != OK:
-                return knee
+        for r in sorted(q for s, q in labels if s == system):
+            if labels[(system, r)] != OK:  # type: ignore[index]
+                return knee, r
             knee = r
-        return None  # never failed on the ladder: its knee lies above it
+        return None, None
+
+    def knee_of(self, system: str | None, labels: Mapping[tuple[str, float], str]) -> float | None:
+        """The highest rate below ``system``'s first failure, once that failure is known (None before,
+        and when it fails on its lowest rate)."""
+        return self.bracket(system, labels)[0]
+
+    def _midpoint(self, system: str, labels: Mapping[tuple[str, float], str]) -> float | None:
+        """The next bisection between ``system``'s knee and first failure, or None when resolved."""
+        knee, fail = self.bracket(system, labels)
+        if self.resolution is None or knee is None or fail is None or fail / knee <= self.resolution:
+            return None
+        mid = float(f"{math.sqrt(knee * fail):.3g}")
+        return mid if knee < mid < fail and (system, mid) not in labels else None
 
 
 @dataclass
@@ -175,10 +194,8 @@ def analyse(
     systems: dict[str, SystemCapacity] = {}
     for s in ladder.systems:
         pts = by.get(s, {})
-        knee = ladder.knee_of(s, labels)
-        ladder_rates = [r for r in ladder.rates if r in pts]
-        first_bad = next((r for r in ladder_rates if pts[r]["label"] != OK), None)
-        beyond = first_bad is None and bool(ladder_rates) and ladder_rates[-1] == ladder.rates[-1]
+        knee, first_bad = ladder.bracket(s, labels)
+        beyond = first_bad is None and ladder.rates[-1] in pts
         if beyond:
             knee = ladder.rates[-1]
         cap = SystemCapacity(

@@ -49,10 +49,11 @@ def test_the_sweep_climbs_each_system_to_its_knee_and_reports_goodput(
     assert cap["reference_knee_qps"] == 5.0
     assert set(cap["systems"]["dram"]["at_overload"]) == {"1.5x", "2x"}  # 7.5 and 10 QPS
     assert cap["vs_reference"]["dram"]["goodput"] == 0.5
-    # every point ran twice, and nothing ran past one rung beyond a knee except the overload points
+    # every point ran twice, and nothing ran past one rung beyond a knee but one bisection (2.74, between
+    # dram's knee and its first failure) and the overload points
     assert {rep for *_, rep in runs} == {0, 1}
     assert max(q for s, q, _ in runs if s == "tiered") == 10.0
-    assert sorted({q for s, q, _ in runs if s == "dram"}) == [1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 7.5, 10.0]
+    assert sorted({q for s, q, _ in runs if s == "dram"}) == [1.0, 1.25, 1.5, 2.0, 2.5, 2.74, 3.0, 4.0, 7.5, 10.0]
     md = (tmp_path / "report.md").read_text()
     assert "## Capacity" in md and "| tiered | 5.0 |" in md
     assert (tmp_path / "capacity.png").stat().st_size > 10_000

@@ -136,3 +136,27 @@ def test_ladder_refuses_rates_out_of_order() -> None:
         C.Ladder((2.0, 1.0), ("a",))
     with pytest.raises(ValueError, match="no systems"):
         C.Ladder((1.0,), ())
+
+
+def test_bisection_sharpens_a_knee_between_rungs_before_the_overload_points() -> None:
+    slo = 0.5
+    ladder = C.Ladder(C.rungs(1, 40), ("fast", "slow"), reference="slow", resolution=1.06)
+    labels: dict[tuple[str, float], str] = {}
+    results = []
+    while todo := ladder.plan(labels):
+        ref_knee, ref_fail = ladder.bracket("slow", labels)
+        overload = [q for s, q in todo if q not in ladder.rates and s == "fast" and q > 8]
+        if overload:  # the overload points are only planned once the reference's knee is resolved
+            assert ref_knee is not None and ref_fail is not None and ref_fail / ref_knee <= 1.06
+        for s, q in todo:
+            r = point(s, q, {"fast": 0.11, "slow": 0.22}[s], slo)
+            labels[(s, q)] = r["label"]
+            results.append(r)
+    cap = C.analyse(results, ladder, slo, 1000.0)
+    fast, slow = cap["systems"]["fast"], cap["systems"]["slow"]
+    # capacities 9.1/s and 4.5/s: the rungs alone said 8 and 4
+    assert 8.5 < fast["knee_qps"] < 9.6 and fast["first_failed_qps"] / fast["knee_qps"] <= 1.06
+    assert 4.2 < slow["knee_qps"] < 4.8
+    assert set(slow["at_overload"]) == {"1.5x", "2x"}
+    with pytest.raises(ValueError, match="resolution"):
+        C.Ladder((1.0,), ("a",), resolution=1.0)
