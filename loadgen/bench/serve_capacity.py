@@ -59,10 +59,11 @@ def climb(cfg: ServeConfig, trace: Path, one: Callable[[str, float, int], None],
     for (systems reversed every other repeat), then each labelled from its rows as the report will."""
     slo, rule = serve_slo_s(cfg, trace)
     reference = next((s for s in ("hicache-file", "vllm-offload-disk", "vllm") if s in cfg.systems), None)
+    assert cfg.ladder is not None, "climb runs a load sweep"
     ladder = capacity.Ladder(
         capacity.rungs(*cfg.ladder),
         cfg.systems,
-        reference,  # type: ignore[misc]
+        reference,
         resolution=RESOLUTION,
     )
     labels: dict[tuple[str, float], str] = {}

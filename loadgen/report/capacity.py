@@ -130,7 +130,7 @@ class Ladder:
             if mid is not None and (s, mid) not in todo:
                 todo.append((s, mid))
         ref = self.knee_of(self.reference, labels) if self.reference in self.systems else None
-        if ref is not None and self._midpoint(self.reference, labels) is None:
+        if ref is not None and self.reference is not None and self._midpoint(self.reference, labels) is None:
             for m in self.overload:
                 rate = round(m * ref, 6)
                 todo += [(s, rate) for s in self.systems if (s, rate) not in labels and (s, rate) not in todo]
