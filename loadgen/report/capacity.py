@@ -88,8 +88,9 @@ def default_slo_s(prompt_tokens: Sequence[int], prefill_s: Callable[[int], float
 @dataclass(frozen=True)
 class Ladder:
     """Which points to run next, from the labels of those run: every system climbs the rungs until it
-    fails, then ``past_knee`` rungs more (its collapse on the plot); once the reference has a knee K,
-    every system also runs at each of ``overload`` x K (hits and throughput held at overload)."""
+    fails, then ``past_knee`` rungs more (its collapse on the plot), or steps down below the first rung
+    where it fails there; once the reference has a knee K, every system also runs at each of
+    ``overload`` x K (hits and throughput held at overload)."""
 
     rates: tuple[float, ...]
     systems: tuple[str, ...]
@@ -129,6 +130,9 @@ class Ladder:
             mid = self._midpoint(s, labels)
             if mid is not None and (s, mid) not in todo:
                 todo.append((s, mid))
+            low = self._below(s, labels)
+            if low is not None and (s, low) not in todo:
+                todo.append((s, low))
         ref = self.knee_of(self.reference, labels) if self.reference in self.systems else None
         if ref is not None and self.reference is not None and self._midpoint(self.reference, labels) is None:
             for m in self.overload:
@@ -150,6 +154,15 @@ class Ladder:
         """The highest rate below ``system``'s first failure, once that failure is known (None before,
         and when it fails on its lowest rate)."""
         return self.bracket(system, labels)[0]
+
+    def _below(self, system: str, labels: Mapping[tuple[str, float], str]) -> float | None:
+        """A system that failed at the lowest rate it ran steps down the series, to a quarter of the first
+        rung, until a rate passes: its knee may lie below where the ladder starts."""
+        ran = sorted(q for s, q in labels if s == system)
+        if not ran or labels[(system, ran[0])] == OK:
+            return None
+        below = [r for r in rungs(self.rates[0] / 4, ran[0]) if r < ran[0] * (1 - 1e-9)]
+        return below[-1] if below else None
 
     def _midpoint(self, system: str, labels: Mapping[tuple[str, float], str]) -> float | None:
         """The next bisection between ``system``'s knee and first failure, or None when resolved."""

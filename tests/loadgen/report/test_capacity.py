@@ -99,9 +99,10 @@ def test_slow_but_keeping_up_is_over_the_objective_not_saturated() -> None:
     results = climb(ladder, {"late": 0.01}, slo, extra={"late": 0.6})  # never queues, always 0.61 s
     cap = C.analyse(results, ladder, slo, 100.0)
     late = cap["systems"]["late"]
-    assert late["knee_qps"] is None and late["first_failed_qps"] == 1.0 and late["failed_as"] == C.OVER_SLO
+    assert late["knee_qps"] is None and late["first_failed_qps"] == 0.25 and late["failed_as"] == C.OVER_SLO
     assert late["goodput_prompt_tokens_per_s"] is None
-    assert [p["qps"] for p in late["points"]] == [1.0, 1.25]  # its first rung and one past
+    # its first rung and one past, and down the series to a quarter of the first rung, failing all the way
+    assert [p["qps"] for p in late["points"]] == [0.25, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25]
 
 
 def test_a_system_that_never_fails_is_marked_beyond_the_ladder() -> None:
@@ -160,3 +161,14 @@ def test_bisection_sharpens_a_knee_between_rungs_before_the_overload_points() ->
     assert set(slow["at_overload"]) == {"1.5x", "2x"}
     with pytest.raises(ValueError, match="resolution"):
         C.Ladder((1.0,), ("a",), resolution=1.0)
+
+
+def test_a_system_failing_on_the_first_rung_steps_down_to_find_its_knee() -> None:
+    slo = 0.5
+    ladder = C.Ladder(C.rungs(4, 10), ("slow",), reference=None)  # capacity 2.5/s, below the first rung
+    cap = C.analyse(climb(ladder, {"slow": 0.4}, slo), ladder, slo, 1.0)
+    slow = cap["systems"]["slow"]
+    assert slow["knee_qps"] == 2.5 and slow["first_failed_qps"] == 3.0
+    hopeless = C.Ladder(C.rungs(4, 10), ("stuck",), reference=None)
+    stuck = C.analyse(climb(hopeless, {"stuck": 5.0}, slo), hopeless, slo, 1.0)["systems"]["stuck"]
+    assert stuck["knee_qps"] is None and min(p["qps"] for p in stuck["points"]) == 1.0  # a quarter of 4, no lower
