@@ -18,6 +18,7 @@ def test_bin_generate_runs_and_the_committed_artifacts_are_what_it_writes() -> N
     path): it succeeds, and the files it writes are byte for byte the committed ones."""
     root = DOCS.parent
     written = [DOCS / "metrics.md", DOCS / "configuration.md", DOCS / "benchmarks.md", root / "CONTRIBUTING.md",
+               root / "README.md",
                *sorted((root / "dashboards").glob("*.json")), *sorted((root / "charts" / "flatcake").rglob("*.y*ml"))]  # fmt: skip
     before = {p: p.read_bytes() for p in written}
     run = subprocess.run([str(root / "bin" / "generate")], capture_output=True, text=True, timeout=600)
