@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flatcake.cli.common import _csv, _ints, _parts, _write_json
+from flatcake.cli.common import _csv, _ints, _ladder, _parts, _write_json
 from flatcake.errors import ConfigError
 from flatcake.loadgen import names
 from flatcake.node_agent.constants import PLACEMENT_MODES
@@ -109,12 +109,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     fields = ("trace", "offset", "requests", "window_s", "qps", "time_scale", "systems", "schedulers", "placements",
               "storage_dram_shares", "repeats", "model", "gpu", "prefetch_policy", "slo_ttft_s")  # fmt: skip
     given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
-    if args.sweep is not None:
-        if args.qps is not None or args.time_scale is not None:
-            raise ConfigError("--sweep chooses its own rates; leave out --qps and --time-scale")
-        given["ladder"] = tuple(args.sweep)
-    elif args.slo_ttft_s is not None:
-        raise ConfigError("--slo-ttft applies to --sweep only")
+    _ladder(args, given, ("--qps", "--time-scale"))
     if "systems" in given:
         given["systems"] = names.resolve("e2e", given["systems"], "--systems")
     sizing = {k: getattr(args, k) for k in ("hbm_share", "dram_share") if getattr(args, k) is not None}
@@ -139,12 +134,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     fields = ("qps", "requests", "trace", "layout", "repeats", "users", "device_tokens", "dram_bytes", "placement",
               "gpu_ratio", "slo_ttft_s")  # fmt: skip
     given = {name: getattr(args, name) for name in fields if getattr(args, name)}
-    if args.sweep is not None:
-        if args.qps is not None:
-            raise ConfigError("--sweep chooses its own rates; leave out --qps")
-        given["ladder"] = tuple(args.sweep)
-    elif args.slo_ttft_s is not None:
-        raise ConfigError("--slo-ttft applies to --sweep only")
+    _ladder(args, given, ("--qps",))
     bench = serve.ENGINES[args.engine]
     given["engine"] = args.engine
     default = serve.default_systems(args.engine)  # the emulated systems are opt-in

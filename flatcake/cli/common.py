@@ -100,3 +100,14 @@ API_CHOICES = ["openai", "chat", "sglang"]
 
 
 API_HELP = "openai: /v1/completions, chat: /v1/chat/completions, sglang: /generate"
+
+
+def _ladder(args: argparse.Namespace, given: dict[str, object], rate_flags: tuple[str, ...]) -> None:
+    """``--sweep START,STOP`` and ``--slo-ttft`` into a bench's config fields: the sweep chooses its own
+    rates, so it refuses the ``rate_flags`` given beside it; an objective without a sweep is refused."""
+    if args.sweep is not None:
+        if any(getattr(args, f.removeprefix("--").replace("-", "_"), None) is not None for f in rate_flags):
+            raise ConfigError(f"--sweep chooses its own rates; leave out {' and '.join(rate_flags)}")
+        given["ladder"] = tuple(args.sweep)
+    elif args.slo_ttft_s is not None:
+        raise ConfigError("--slo-ttft applies to --sweep only")

@@ -88,11 +88,9 @@ class FlatCake(System):
         own = len(job.ssd_keys) * c.page_span
         ready = offer.read_s(dev.free_at - now, inst.preparing_bytes, own, dev.bytes_per_s, c.layers * dev.command_s)
         gpu = max(0.0, inst.busy_until - now) + inst.queued_work_s
-        tokens, pt = job.req.input_tokens, c.page_tokens
-        keep, full = min((hbm + first) * pt, tokens), min((hbm + stored) * pt, tokens)
-        loaded = c.prefill_s(tokens - full, full)
-        choice = offer.decide(ready, gpu, c.prefill_s(tokens - keep, keep) - loaded, c.wait_rule)
-        job.est_prefill_s = loaded if choice.load else c.prefill_s(tokens - keep, keep)
+        loaded, declined = self._prefills(job, hbm + stored, hbm + first)
+        choice = offer.decide(ready, gpu, declined - loaded, c.wait_rule)
+        job.est_prefill_s = loaded if choice.load else declined
         if choice.load:
             return
         job.ssd_declined = True
@@ -235,10 +233,14 @@ class FlatCake(System):
         c, dev = self.c, self.ssd[job.inst.node]
         ready = offer.read_s(dev.free_at - self.loop.now, 0, len(late) * c.page_span, dev.bytes_per_s,
                              c.layers * dev.command_s)  # fmt: skip
-        tokens, pt = job.req.input_tokens, c.page_tokens
-        keep, full = min(first * pt, tokens), min(cached * pt, tokens)
-        extra = c.prefill_s(tokens - keep, keep) - c.prefill_s(tokens - full, full)
-        return offer.decide(ready, 0.0, extra, c.wait_rule).load
+        loaded, declined = self._prefills(job, cached, first)
+        return offer.decide(ready, 0.0, declined - loaded, c.wait_rule).load
+
+    def _prefills(self, job: Job, cached: int, kept: int) -> tuple[float, float]:
+        """The request's prefill seconds with ``cached`` leading pages loaded, and with only ``kept``."""
+        c, tokens = self.c, job.req.input_tokens
+        full, keep = min(cached * c.page_tokens, tokens), min(kept * c.page_tokens, tokens)
+        return c.prefill_s(tokens - full, full), c.prefill_s(tokens - keep, keep)
 
     def store(self, job: Job, cached: int) -> None:
         inst, req = job.inst, job.req

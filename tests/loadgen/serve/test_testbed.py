@@ -8,7 +8,6 @@ import mmap
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -89,10 +88,7 @@ def test_verify_names_a_process_that_escaped_the_throttle(tmp_path: Path) -> Non
         inside = subprocess.Popen(["sleep", "60"])
         escaped = subprocess.Popen(["sleep", "61"])
         try:
-            deadline = time.monotonic() + 60
-            while not (throttle.holds(inside.pid) and throttle.holds(escaped.pid)):
-                assert time.monotonic() < deadline, "children never showed in the cgroup"
-                time.sleep(0.05)
+            assert throttle.holds(inside.pid) and throttle.holds(escaped.pid)  # a fork is born in its parent's cgroup
             assert throttle.verify() >= 2
             assert throttle.path is not None
             (throttle.path.parent / "cgroup.procs").write_text(f"{escaped.pid}\n")  # a baseline started elsewhere
